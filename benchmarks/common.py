@@ -47,7 +47,7 @@ def measure(store: Store, dataset: DatasetRef, partition: Any, label: str, netwo
                     next(iter(networks.values())))
     summary, progress = run_training(plan)
     comm = pq.read_table(store.run_dir(plan.run_fp) / "comm.parquet")
-    row = {"strategy": label, "model": config.model, "test_acc": summary.accuracy("test"),
+    row = {"run": plan.run_fp, "strategy": label, "model": config.model, "test_acc": summary.accuracy("test"),
            "bytes": bytes_by_kind(comm), "total": summary.total_bytes,
            "sim": {name: simulated_seconds(comm, net)[0] for name, net in networks.items()},
            "wall_s": time.perf_counter() - started, "cached": all(p.state == "cached" for p in progress)}

@@ -20,7 +20,7 @@ from common import cora, dense_sbm, measure, print_rows
 from graphstore.layout import Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
-from graphstore.report import plot_accuracy_vs_bytes, dataset_runs
+from graphstore.report import plot_accuracy_vs_bytes, run_manifest
 from retexo_core.comm.network import NetworkModel
 
 NETWORKS = {
@@ -52,7 +52,8 @@ def compare(title: str, store: Store, dataset, parts: int, rounds: int, plot: Pa
     rows = [measure(store, dataset, partitions[method], label, NETWORKS, model="gcn", **options)
             for label, method, options in strategies(rounds)]
     print_rows(title, rows, list(NETWORKS))
-    plot.write_bytes(plot_accuracy_vs_bytes(dataset_runs(store, dataset.fp), "", title))
+    runs = [{**run_manifest(store, row["run"]), "label": row["strategy"]} for row in rows]
+    plot.write_bytes(plot_accuracy_vs_bytes(runs, "", title))
     print(f"plot: {plot}")
 
 
