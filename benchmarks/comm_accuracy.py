@@ -49,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200, help="rounds per layer (retexo) = epochs (others)")
     parser.add_argument("--models", default="gcn,sage,gat")
+    parser.add_argument("--dense-models", default=None, help="models on the dense graph (default: --models)")
     parser.add_argument("--parts", type=int, default=4)
     parser.add_argument("--dense-nodes", type=int, default=10_000)
     parser.add_argument("--dense-degree", type=float, default=100)
@@ -59,8 +60,10 @@ def main() -> None:
         models = args.models.split(",")
         compare(f"Cora, {args.parts} random partitions, 2 layers, hidden 256, {args.rounds} rounds/epochs",
                 store, cora(store), args.parts, models, args.rounds)
+        dense_models = args.dense_models.split(",") if args.dense_models else models
         compare(f"Synthetic SBM, {args.dense_nodes} nodes, average degree {args.dense_degree:g}, {args.parts} random "
-                f"partitions", store, dense_sbm(store, args.dense_nodes, args.dense_degree), args.parts, models, args.rounds)
+                f"partitions", store, dense_sbm(store, args.dense_nodes, args.dense_degree), args.parts, dense_models,
+                args.rounds)
 
 
 if __name__ == "__main__":
