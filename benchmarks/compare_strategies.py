@@ -3,7 +3,7 @@
 Cora and a dense synthetic SBM (average degree >= 100), 4 random partitions (plus supernode
 partitions for SuperTMA), GCN, 2 layers, hidden 256. Networks: data center (10 Gbit/s, 0.1 ms),
 WAN (100 Mbit/s, 20 ms), edge (10 Mbit/s, 50 ms). Writes the accuracy-vs-bytes plot next to the
-output (``--plot``).
+output (``--plot-dir``).
 
     .venv/bin/python benchmarks/compare_strategies.py --store /tmp/bench-store
     .venv/bin/python benchmarks/compare_strategies.py --rounds 5 --dense-nodes 2000   # smoke
