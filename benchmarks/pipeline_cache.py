@@ -21,16 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from retexo_core.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def task_seconds(api: str, since: datetime) -> float:
