@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from graphstore.errors import StoreError
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
-
-
-def utc_now() -> str:
-    """ISO time with microseconds, so versions written within one second still sort by age."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+from graphstore.manifests import Manifest, manifest_json
 
 
 def _lock_path(store: Store, target: Path) -> Path:
@@ -84,23 +77,12 @@ def fsync_tree(path: Path) -> None:
         fsync_file(Path(current))
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"no manifest at {path}: the artefact does not exist or was never completed")
-    return json.loads(path.read_text())
-
-
 def temp_sibling(target: Path) -> Path:
     """A fresh hidden folder next to ``target``; globs over ``key=*`` never match it."""
     return target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def commit_directory(temp: Path, target: Path, manifest: dict[str, Any], contents_synced: bool = False) -> None:
+def commit_directory(temp: Path, target: Path, manifest: Manifest, contents_synced: bool = False) -> None:
     """Write the manifest into ``temp`` (last), fsync, rename ``temp`` to ``target``.
 
     The caller holds the writer lock of ``target`` (possibly in a parent process). With
@@ -108,7 +90,7 @@ def commit_directory(temp: Path, target: Path, manifest: dict[str, Any], content
     so only the manifest and the folder are synced here. A folder at ``target`` without a
     manifest (a foreign or damaged leftover) is replaced.
     """
-    write_json(temp / MANIFEST, {"created_at": utc_now(), **manifest})
+    (temp / MANIFEST).write_text(manifest_json(manifest))
     if contents_synced:
         fsync_file(temp / MANIFEST)
         fsync_file(temp)
@@ -127,9 +109,11 @@ class ArtefactWriter:
         self.store = store
         self.target = target
         self.path = temp_sibling(target)
-        self.manifest: dict[str, Any] = {}
+        self.manifest: Manifest | None = None
 
     def commit(self) -> None:
+        if self.manifest is None:
+            raise StoreError(f"{self.target}: the writer set no manifest")
         commit_directory(self.path, self.target, self.manifest)
 
 

@@ -1,9 +1,9 @@
-"""The DuckDB catalog: SQL views over the store's Parquet/JSON files, plus the run history table.
+"""The DuckDB catalog: SQL views over the store's Parquet/JSON files, and nothing else.
 
 Views are ``CREATE OR REPLACE VIEW … read_parquet(glob, hive_partitioning = true)``, so the catalog
 is rebuilt from the files at any time (``refresh_catalog``); a view whose glob matches no file yet
-is an empty view with the same columns, so users' SQL never breaks on an empty store. Only the
-``run_history`` table is state of its own. Column names are a contract: add, never rename.
+is an empty view with the same columns, so users' SQL never breaks on an empty store. Run history
+is files too (``graphstore.history``). Column names are a contract: add, never rename.
 """
 
 from __future__ import annotations
@@ -121,6 +121,11 @@ VIEWS: list[ViewSpec] = [
         _cols("run VARCHAR, split VARCHAR, accuracy DOUBLE, macro_f1 DOUBLE, roc_auc DOUBLE, nodes BIGINT"),
     ),
     ViewSpec(
+        "run_history", "json", "runs/run=*/events/*.json",
+        "run, event, happened_at, detail",
+        _cols("run VARCHAR, event VARCHAR, happened_at TIMESTAMP, detail VARCHAR"),
+    ),
+    ViewSpec(
         "embeddings", "parquet", "runs/run=*/layer=*/part=*/embeddings.parquet",
         "run, CAST(layer AS INTEGER) AS layer, CAST(part AS INTEGER) AS part, node_id, h",
         _cols("run VARCHAR, layer INTEGER, part INTEGER, node_id BIGINT, h FLOAT[]"),
@@ -138,12 +143,6 @@ SELECT run, last_event AS status, started AS created_at FROM (
     FROM run_history GROUP BY run
 ) WHERE run NOT IN (SELECT run FROM completed_runs)
 """
-
-RUN_HISTORY_DDL = (
-    "CREATE TABLE IF NOT EXISTS run_history ("
-    "run VARCHAR, event VARCHAR, happened_at TIMESTAMP, detail VARCHAR)"
-)
-
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
@@ -181,19 +180,14 @@ def connect(store: Store, read_only: bool, attempts: int = 50) -> Iterator[duckd
 
 
 def refresh_catalog(store: Store) -> None:
-    """(Re)create every view; keeps the run history table."""
+    """(Re)create every view."""
     with writer_lock(store, store.catalog_path), connect(store, read_only=False) as con:
-        con.execute(RUN_HISTORY_DDL)
+        tables = con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name = 'run_history'").fetchall()
+        if tables:  # a store written before run history became files
+            con.execute("DROP TABLE run_history")
         for spec in VIEWS:
             con.execute(view_sql(store, spec))
         con.execute(RUNS_VIEW)
-
-
-def record_run_event(store: Store, run: str, event: str, detail: str = "") -> None:
-    """Append one row to ``run_history`` (started, layer_done, completed, failed, ...)."""
-    with writer_lock(store, store.catalog_path), connect(store, read_only=False) as con:
-        con.execute(RUN_HISTORY_DDL)
-        con.execute("INSERT INTO run_history VALUES (?, ?, now(), ?)", [run, event, detail])
 
 
 ALLOWED_STATEMENTS = {

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from graphstore.atomic import lock_is_free
+from graphstore.errors import StoreError
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
+from graphstore.manifests import read_any_manifest
 
 
 @dataclass(frozen=True)
 class Artefact:
-    kind: str  # dataset | partition | layer | run
+    kind: str  # dataset | partition | layer | run | corrupt
     name: str
     fp: str
     path: Path
@@ -31,13 +32,14 @@ def list_artefacts(store: Store) -> list[Artefact]:
     for manifest_path in sorted(store.root.glob(f"**/{MANIFEST}")):
         if any(part.startswith(TMP_PREFIX) for part in manifest_path.relative_to(store.root).parts):
             continue
-        manifest = json.loads(manifest_path.read_text())
-        kind = manifest.get("kind", "unknown")
-        name = manifest.get("name") or manifest.get("dataset_name") or manifest.get("label") or ""
-        found.append(
-            Artefact(kind, name, manifest.get("fp", ""), manifest_path.parent,
-                     folder_bytes(manifest_path.parent), manifest.get("created_at", ""))
-        )
+        folder = manifest_path.parent
+        try:
+            manifest = read_any_manifest(folder)
+        except StoreError:
+            found.append(Artefact("corrupt", "", "", folder, folder_bytes(folder), ""))
+            continue
+        name = getattr(manifest, "name", None) or getattr(manifest, "dataset_name", None) or getattr(manifest, "label", "")
+        found.append(Artefact(manifest.kind, name, manifest.fp, folder, folder_bytes(folder), manifest.created_at))
     order = {"dataset": 0, "partition": 1, "run": 2, "layer": 3}
     return sorted(found, key=lambda a: (order.get(a.kind, 9), a.created_at, str(a.path)))
 

@@ -6,14 +6,13 @@ and regenerated on demand (``retexo report RUN``), since the plot grows with eve
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from graphstore.atomic import atomic_write_file
-from graphstore.errors import StoreError
-from graphstore.layout import MANIFEST, Store, is_complete
+from graphstore.layout import Store
+from graphstore.lookup import completed_run, dataset_runs
+from graphstore.manifests import PartitionManifest, RunManifest, read_manifest
 
 PLOT_NAME = "accuracy_vs_bytes.png"
 REPORT_NAME = "report.md"
@@ -21,31 +20,13 @@ REPORT_NAME = "report.md"
 
 @dataclass(frozen=True)
 class Report:
-    run: str
+    manifest: RunManifest
     markdown: str
     plot_path: Path
     report_path: Path
 
 
-def run_manifest(store: Store, run: str) -> dict[str, Any]:
-    """The manifest of a completed run, by full or unique prefix fingerprint."""
-    matches = [p for p in (store.root / "runs").glob(f"run={run}*") if is_complete(p)]
-    if len(matches) != 1:
-        known = sorted(p.name.removeprefix("run=") for p in (store.root / "runs").glob("run=*") if is_complete(p))
-        raise StoreError(f"no unique completed run '{run}' in {store.root} (completed runs: {', '.join(known) or 'none'})")
-    return json.loads((matches[0] / MANIFEST).read_text())
-
-
-def dataset_runs(store: Store, dataset_fp: str) -> list[dict[str, Any]]:
-    runs = []
-    for path in sorted((store.root / "runs").glob(f"run=*/{MANIFEST}")):
-        manifest = json.loads(path.read_text())
-        if manifest.get("dataset") == dataset_fp:
-            runs.append(manifest)
-    return runs
-
-
-def plot_accuracy_vs_bytes(runs: list[dict[str, Any]], highlight: str, title: str) -> bytes:
+def plot_accuracy_vs_bytes(runs: list[RunManifest], highlight: str, title: str) -> bytes:
     """PNG bytes: test accuracy (y) against total bytes on the wire (x, log scale), one point per run;
     runs without traffic (centralized) are drawn as dashed horizontal reference lines."""
     import io
@@ -56,17 +37,17 @@ def plot_accuracy_vs_bytes(runs: list[dict[str, Any]], highlight: str, title: st
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    with_traffic = [r for r in runs if r["total_bytes"] > 0 and r.get("test_acc") is not None]
+    with_traffic = [r for r in runs if r.total_bytes > 0 and r.test_acc is not None]
     for r in runs:
-        if r["total_bytes"] == 0 and r.get("test_acc") is not None:
-            ax.axhline(r["test_acc"], linestyle="--", linewidth=0.8, color="grey")
-            ax.annotate(f"{r['label']} {r['model']} (no traffic)", (0.01, r["test_acc"]), xycoords=("axes fraction", "data"),
+        if r.total_bytes == 0 and r.test_acc is not None:
+            ax.axhline(r.test_acc, linestyle="--", linewidth=0.8, color="grey")
+            ax.annotate(f"{r.label} {r.model} (no traffic)", (0.01, r.test_acc), xycoords=("axes fraction", "data"),
                         fontsize=7, color="grey", va="bottom")
     for r in with_traffic:
-        is_this = r["fp"] == highlight
-        ax.scatter(r["total_bytes"], r["test_acc"], s=60 if is_this else 30,
+        is_this = r.fp == highlight
+        ax.scatter(r.total_bytes, r.test_acc, s=60 if is_this else 30,
                    edgecolors="black" if is_this else "none", zorder=3)
-        ax.annotate(f"{r['label']} {r['model']} K={r['parts']}", (r["total_bytes"], r["test_acc"]),
+        ax.annotate(f"{r.label} {r.model} K={r.parts}", (r.total_bytes, r.test_acc),
                     textcoords="offset points", xytext=(5, 4), fontsize=7)
     if with_traffic:
         ax.set_xscale("log")
@@ -89,44 +70,43 @@ def human_bytes(value: float) -> str:
     return f"{value:.2f} GB"
 
 
-def markdown_report(manifest: dict[str, Any], partition: dict[str, Any] | None, plot_file: str) -> str:
-    net = manifest["network"]
+def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, plot_file: str) -> str:
+    net = manifest.network
     lines = [
-        f"# Run `{manifest['fp']}`: {manifest['label']} {manifest['model']} on {manifest['dataset_name']}",
+        f"# Run `{manifest.fp}`: {manifest.label} {manifest.model} on {manifest.dataset_name}",
         "",
-        f"- dataset: **{manifest['dataset_name']}** (`{manifest['dataset']}`), setting: {manifest['setting']}",
+        f"- dataset: **{manifest.dataset_name}** (`{manifest.dataset}`), setting: {manifest.setting}",
     ]
     if partition:
-        lines.append(f"- partitions: {partition['method']}, K = {partition['parts']}, edge cut {partition['edge_cut']:,}, "
-                     f"halo total {partition['halo_total']:,} (`{partition['fp']}`)")
+        lines.append(f"- partitions: {partition.method}, K = {partition.parts}, edge cut {partition.edge_cut:,}, "
+                     f"halo total {partition.halo_total:,} (`{partition.fp}`)")
     else:
         lines.append("- partitions: none (centralized, one process)")
-    lines += [f"- strategy: {manifest['label']}, layers {manifest['config']['layers']}, hidden {manifest['config']['hidden']}",
+    lines += [f"- strategy: {manifest.label}, layers {manifest.config['layers']}, hidden {manifest.config['hidden']}",
               "", "| split | accuracy | macro-F1 | ROC-AUC | nodes |", "|---|---|---|---|---|"]
-    for row in manifest["evaluation"]:
+    for row in manifest.evaluation:
         auc = "" if row["roc_auc"] is None or row["roc_auc"] != row["roc_auc"] else f"{row['roc_auc']:.4f}"
         lines.append(f"| {row['split']} | {row['accuracy']:.4f} | {row['macro_f1']:.4f} | {auc} | {row['nodes']} |")
     lines += ["", "| traffic kind | bytes |", "|---|---|"]
-    for kind, nbytes in sorted(manifest["bytes_by_kind"].items()):
+    for kind, nbytes in sorted(manifest.bytes_by_kind.items()):
         lines.append(f"| {kind} | {human_bytes(nbytes)} ({nbytes:,}) |")
-    lines += [f"| **total** | **{human_bytes(manifest['total_bytes'])}** ({manifest['total_bytes']:,}) |", "",
+    lines += [f"| **total** | **{human_bytes(manifest.total_bytes)}** ({manifest.total_bytes:,}) |", "",
               f"Simulated communication time at {net['bandwidth_mbps']:g} Mbit/s and {net['latency_ms']:g} ms latency: "
-              f"**{manifest['sim_comm_s']:.2f} s**; training time inside the workers: {manifest['wall_s']:.1f} s.", "",
+              f"**{manifest.sim_comm_s:.2f} s**; training time inside the workers: {manifest.wall_s:.1f} s.", "",
               f"![accuracy vs bytes]({plot_file})", ""]
     return "\n".join(lines)
 
 
 def write_report(store: Store, run: str) -> Report:
     """(Re)generate the run's markdown report and plot inside the store."""
-    manifest = run_manifest(store, run)
+    manifest = completed_run(store, run)
     partition = None
-    if manifest.get("partition"):
-        partition_dir = store.partition_dir(manifest["dataset"], manifest["partition"])
-        partition = json.loads((partition_dir / MANIFEST).read_text())
-    folder = store.run_dir(manifest["fp"]) / "report"
-    plot = plot_accuracy_vs_bytes(dataset_runs(store, manifest["dataset"]), manifest["fp"],
-                                  f"{manifest['dataset_name']}: test accuracy vs bytes on the network (all runs)")
+    if manifest.partition:
+        partition = read_manifest(store.partition_dir(manifest.dataset, manifest.partition), PartitionManifest)
+    folder = store.run_dir(manifest.fp) / "report"
+    plot = plot_accuracy_vs_bytes(dataset_runs(store, manifest.dataset), manifest.fp,
+                                  f"{manifest.dataset_name}: test accuracy vs bytes on the network (all runs)")
     atomic_write_file(store, folder / PLOT_NAME, plot)
     markdown = markdown_report(manifest, partition, PLOT_NAME)
     atomic_write_file(store, folder / REPORT_NAME, markdown.encode())
-    return Report(manifest["fp"], markdown, folder / PLOT_NAME, folder / REPORT_NAME)
+    return Report(manifest, markdown, folder / PLOT_NAME, folder / REPORT_NAME)

@@ -1,4 +1,4 @@
-"""Run artefacts in the store: layer folders, per-part embeddings, and finding reusable layers.
+"""Run artefacts in the store: layer folders, per-part embeddings, and linking a reusable layer.
 
 ``runs/run=<rfp>/layer=<l>/`` holds ``model.pt``, ``manifest.json`` (with the layer fingerprint),
 ``part=<i>/embeddings.parquet`` (``node_id, h`` and, inductive runs, ``h_train, h_val``) and
@@ -8,7 +8,6 @@ also holds ``metrics.parquet`` (training curves) and ``evaluation.parquet`` (met
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from graphstore.atomic import atomic_artefact
-from graphstore.layout import MANIFEST, Store, is_complete
+from graphstore.layout import MANIFEST, Store
+from graphstore.manifests import LayerManifest, read_manifest
 from graphstore.parquet_io import COMPRESSION, features_array, features_matrix, read_table
 
 
@@ -42,18 +42,6 @@ def read_embeddings(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     return table.column("node_id").to_numpy(), views
 
 
-def layer_fp_of(directory: Path) -> str | None:
-    return json.loads((directory / MANIFEST).read_text()).get("fp") if is_complete(directory) else None
-
-
-def find_layer(store: Store, layer: int, layer_fp: str) -> Path | None:
-    """A completed ``layer=<layer>`` folder of any run whose fingerprint is ``layer_fp``."""
-    for manifest_path in (store.root / "runs").glob(f"run=*/layer={layer}/{MANIFEST}"):
-        if json.loads(manifest_path.read_text()).get("fp") == layer_fp:
-            return manifest_path.parent
-    return None
-
-
 def link_layer(store: Store, source: Path, target: Path, run_fp: str) -> None:
     """Reuse a finished layer in another run: hard links (copies across devices), committed atomically."""
     with atomic_artefact(store, target) as writer:
@@ -69,5 +57,5 @@ def link_layer(store: Store, source: Path, target: Path, run_fp: str) -> None:
                 os.link(path, dest)
             except OSError:
                 shutil.copy2(path, dest)
-        manifest = json.loads((source / MANIFEST).read_text())
-        writer.manifest = {**manifest, "run": run_fp, "reused_from": str(source.relative_to(store.root))}
+        manifest = read_manifest(source, LayerManifest)
+        writer.manifest = manifest.model_copy(update={"run": run_fp, "reused_from": str(source.relative_to(store.root))})

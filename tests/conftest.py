@@ -22,15 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from graphstore.ingest.api import ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions
-from graphstore.ingest.writer import DatasetRef
+from graphstore.lookup import DatasetRef, PartitionRef
 from graphstore.layout import Store
-from graphstore.partition.build import PartitionRef, build_partition
+from graphstore.parquet_io import features_of
+from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +76,23 @@ def table_rows(stdout: str) -> list[list[str]]:
         for line in stdout.splitlines()
         if line.startswith("│")
     ]
+
+
+# --------------------------------------------------------------------------- stored features
+
+
+def dense_features(table: pa.Table | Path, width: int) -> np.ndarray:
+    """A stored features table (or Parquet file) in either layout as a dense (N, width) float32
+    array, so that tests compare values whatever the layout."""
+    if isinstance(table, Path):
+        table = pq.read_table(table)
+    x = features_of(table, width)
+    return x if isinstance(x, np.ndarray) else x.toarray()
+
+
+def dataset_features(ref: DatasetRef) -> np.ndarray:
+    """A dataset's features.parquet as a dense (N, F) float32 array."""
+    return dense_features(ref.path / "features.parquet", ref.num_features)
 
 
 # --------------------------------------------------------------------------- store snapshots

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from conftest import (
     CORA_DIR,
     TableFiles,
+    dataset_features,
     flat,
     ingest_table_files,
     run_cli,
@@ -30,9 +31,8 @@ from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions
-from graphstore.ingest.writer import find_dataset
 from graphstore.layout import Store
-from graphstore.parquet_io import features_matrix
+from graphstore.lookup import find_dataset
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 
@@ -216,7 +216,7 @@ def test_planetoid_test_index_without_feature_row_is_padded(tmp_path: Path, prot
     ref = ingest_planetoid(Store.open(tmp_path / "store"), tmp_path / "tiny", "tiny")
     assert (ref.num_nodes, ref.num_features, ref.num_classes) == (18, 6, 3)
     nodes = pq.read_table(ref.path / "nodes.parquet").to_pydict()
-    x = features_matrix(pq.read_table(ref.path / "features.parquet").column("x"))
+    x = dataset_features(ref)
     label, split = np.array(nodes["label"]), np.array(nodes["split"])
     assert nodes["node_id"] == list(range(18))
     for padded in (12, 15):
@@ -290,7 +290,7 @@ def test_ogb_folder_is_ingested(tmp_path: Path):
     split = np.array(nodes["split"])
     for key, name in (("train", "train"), ("valid", "val"), ("test", "test")):
         assert set(np.flatnonzero(split == name).tolist()) == set(source[key].tolist())
-    x = features_matrix(pq.read_table(ref.path / "features.parquet").column("x"))
+    x = dataset_features(ref)
     assert np.allclose(x, source["x"])
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0 and "unchanged" in flat(again.output)

@@ -23,10 +23,9 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from graphstore.errors import RetexoError
-from conftest import CORA_DIR, TableFiles, flat, run_cli, snapshot, write_tables
-from graphstore.ingest.writer import find_dataset
+from conftest import CORA_DIR, TableFiles, dataset_features, flat, run_cli, snapshot, write_planetoid, write_tables
 from graphstore.layout import Store
-from graphstore.parquet_io import features_matrix
+from graphstore.lookup import find_dataset
 
 
 @pytest.fixture
@@ -319,7 +318,7 @@ def test_sparse_json_features_are_accepted(store_with_dataset: Path, files: Tabl
     result = CliRunner().invoke(app, [*ingest_args(files, None, None, path), "--store", str(store_with_dataset)])
     assert result.exit_code == 0, result.exception
     ref = find_dataset(Store.open(store_with_dataset), "broken")
-    x = features_matrix(pq.read_table(ref.path / "features.parquet").column("x"))
+    x = dataset_features(ref)
     assert x.shape == (60, 5) and set(np.unique(x)) == {0.0, 1.0}
     assert np.array_equal(x[0], [1, 0, 1, 0, 0]) and np.array_equal(x[4], [0, 1, 0, 0, 1])  # [i%5, (i+2)%5]
 
@@ -411,6 +410,18 @@ def test_allow_list_unpickler_refuses_in_process(tmp_path: Path):
         safe_load(path)
     assert str(path) in str(info.value)
     assert not marker.exists()
+
+
+def test_non_finite_value_in_sparse_planetoid_features(store_with_dataset: Path, tmp_path: Path):
+    """The features stay a CSR matrix through validation; the message still names file and row."""
+    allx = np.zeros((6, 4), np.float32)
+    allx[np.arange(6), np.arange(6) % 4] = 1.0
+    allx[3, 2] = np.nan  # data row 4 of allx (node 3)
+    ally = np.eye(2, dtype=np.float32)[np.arange(6) % 2]
+    folder = write_planetoid(tmp_path / "nan", "nan", allx, ally, 2, np.eye(2, 4, dtype=np.float32),
+                             np.eye(2, dtype=np.float32), [6, 7], {i: [(i + 1) % 8] for i in range(8)})
+    expect_refused(store_with_dataset, ["ingest", "planetoid", str(folder), "--name", "nan"], folder / "ind.nan.allx",
+                   "x", 4, "feature value nan is not finite (feature 2)", via="app")
 
 
 def test_truncated_planetoid_pickle(store_with_dataset: Path, tmp_path: Path):

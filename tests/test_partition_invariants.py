@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import GRAPH_METHODS, PartitionedGraph
+from conftest import GRAPH_METHODS, PartitionedGraph, dataset_features, dense_features
 from graphstore.catalog import query
 from graphstore.layout import Store
-from graphstore.parquet_io import features_matrix
-from graphstore.partition.build import PartitionRef, build_partition
+from graphstore.lookup import PartitionRef
+from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 
 CASES = [(graph, method) for graph in ("cora", "synthetic_graph") for method in GRAPH_METHODS]
@@ -36,6 +36,7 @@ class PartFiles:
 
 def read_parts(ref: PartitionRef) -> PartFiles:
     nodes, edges, halo = [], [], []
+    width = ref.manifest.num_features
     for i in range(ref.parts):
         part = ref.path / f"part={i}"
         table = pq.read_table(part / "nodes.parquet")
@@ -43,7 +44,7 @@ def read_parts(ref: PartitionRef) -> PartFiles:
             "node_id": table.column("node_id").to_numpy(),
             "label": table.column("label").to_numpy(),
             "split": table.column("split").to_numpy(zero_copy_only=False),
-            "x": features_matrix(table.column("x")),
+            "x": dense_features(table, width),
         })
         e = pq.read_table(part / "edges.parquet")
         edges.append((e.column("src").to_numpy(), e.column("dst").to_numpy()))
@@ -61,12 +62,11 @@ def dataset_edges(graph: PartitionedGraph) -> tuple[np.ndarray, np.ndarray]:
 
 def dataset_nodes(graph: PartitionedGraph) -> dict[str, np.ndarray]:
     n = pq.read_table(graph.dataset.path / "nodes.parquet")
-    f = pq.read_table(graph.dataset.path / "features.parquet")
     return {
         "node_id": n.column("node_id").to_numpy(),
         "label": n.column("label").to_numpy(),
         "split": n.column("split").to_numpy(zero_copy_only=False),
-        "x": features_matrix(f.column("x")),
+        "x": dataset_features(graph.dataset),
     }
 
 

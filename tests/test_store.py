@@ -18,6 +18,7 @@ from graphstore.atomic import atomic_artefact, temp_sibling, writer_lock
 from graphstore.catalog import ReadOnlyViolation, check_read_only, query
 from graphstore.errors import RetexoError
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
+from graphstore.manifests import Manifest
 from graphstore.maintenance import garbage_collect, list_artefacts
 
 # --------------------------------------------------------------------------- crashed writers
@@ -97,7 +98,7 @@ def test_completed_artefact_has_manifest_written_last(tmp_path: Path):
     target = store.dataset_dir("x", "0123")
     with atomic_artefact(store, target) as writer:
         (writer.path / "nodes.parquet").write_bytes(b"data")
-        writer.manifest = {"kind": "dataset", "fp": "0123"}
+        writer.manifest = Manifest(kind="dataset", fp="0123")
         assert not target.exists()  # nothing visible before commit
     manifest = json.loads((target / MANIFEST).read_text())
     assert manifest["kind"] == "dataset" and "created_at" in manifest

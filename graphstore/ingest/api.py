@@ -1,4 +1,8 @@
-"""Entry points of ingestion: fingerprint the source, skip if stored, else load, validate, write."""
+"""Entry points of ingestion: fingerprint the source, skip if stored, else load, validate, write.
+
+Every entry point but the synthetic one takes ``feature_format`` (``auto | dense | sparse``): how
+the feature matrix is stored, part of the dataset fingerprint (``graphstore.ingest.features``).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +17,14 @@ import numpy as np
 from graphstore.errors import InputError
 from graphstore.fingerprint import file_digest
 from graphstore.ingest import ogb_source, planetoid, synthetic
+from graphstore.ingest.features import RequestedFormat, as_stored
 from graphstore.ingest.graph import SourceGraph
 from graphstore.ingest.splits import SplitFractions, stratified_split
 from graphstore.ingest.tables import TableOptions, load_tables
 from graphstore.ingest.validate import validate_graph
-from graphstore.ingest.writer import (
-    DatasetRef,
-    dataset_fingerprint,
-    existing_dataset,
-    write_dataset_files,
-    write_graph,
-)
+from graphstore.ingest.writer import dataset_fingerprint, write_dataset_files, write_graph
 from graphstore.layout import Store
+from graphstore.lookup import DatasetRef, existing_dataset
 from graphstore.progress import Progress, no_progress
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def _ingest(
     content: dict[str, Any],
     load: Callable[[], SourceGraph],
     fractions: SplitFractions | None,
+    feature_format: RequestedFormat,
 ) -> DatasetRef:
     fp = dataset_fingerprint(name, kind, options, content)
     found = existing_dataset(store, name, fp)
@@ -48,6 +49,7 @@ def _ingest(
     if graph.split is None:
         graph.split = stratified_split(graph.label, fractions or SplitFractions())
     validate_graph(graph)
+    graph.x = as_stored(graph.x, feature_format)
     ref = write_graph(store, name, fp, graph, {"kind": kind, "options": options, "files": graph.files})
     log.info("dataset %s written: %d nodes, %d edges (fp %s)", name, ref.num_nodes, ref.num_edges, fp)
     return ref
@@ -60,12 +62,16 @@ def check_name(name: str) -> str:
     return name
 
 
-def ingest_planetoid(store: Store, directory: Path, name: str) -> DatasetRef:
+def ingest_planetoid(store: Store, directory: Path, name: str, feature_format: RequestedFormat = "auto") -> DatasetRef:
+    """A Planetoid folder; with ``auto`` its bag-of-words features are stored sparse."""
     content = planetoid.planetoid_content(directory)
-    return _ingest(store, check_name(name), "planetoid", {}, content, lambda: planetoid.load_planetoid(directory), None)
+    return _ingest(store, check_name(name), "planetoid", {"feature_format": feature_format}, content,
+                   lambda: planetoid.load_planetoid(directory), None, feature_format)
 
 
-def ingest_ogb(store: Store, directory: Path, name: str, undirected: bool = False) -> DatasetRef:
+def ingest_ogb(store: Store, directory: Path, name: str, undirected: bool = False,
+               feature_format: RequestedFormat = "auto") -> DatasetRef:
+    """An OGB folder; its features are dense, so ``auto`` stores them sparse only at density <= 0.1."""
     content = ogb_source.ogb_content(directory, name)
 
     def load() -> SourceGraph:
@@ -73,7 +79,8 @@ def ingest_ogb(store: Store, directory: Path, name: str, undirected: bool = Fals
         graph.undirected = undirected
         return graph
 
-    return _ingest(store, check_name(name), "ogb", {"undirected": undirected}, content, load, None)
+    options = {"undirected": undirected, "feature_format": feature_format}
+    return _ingest(store, check_name(name), "ogb", options, content, load, None, feature_format)
 
 
 def ingest_tables(
@@ -93,7 +100,7 @@ def ingest_tables(
             content[role] = file_digest(path)
     opts = {**options.model_dump(), "split": fractions.model_dump()}
     return _ingest(store, check_name(name), "tables", opts, content,
-                   lambda: load_tables(edges, nodes, features, options), fractions)
+                   lambda: load_tables(edges, nodes, features, options), fractions, options.feature_format)
 
 
 def ingest_synthetic(
@@ -103,7 +110,10 @@ def ingest_synthetic(
     fractions: SplitFractions,
     progress: Progress = no_progress,
 ) -> DatasetRef:
-    """Generate the SBM and stream it into the store (no in-memory SourceGraph for big graphs)."""
+    """Generate the SBM and stream it into the store (no in-memory SourceGraph for big graphs).
+
+    The features are Gaussian (density 1) and always stored dense.
+    """
     opts = {**options.model_dump(), "split": fractions.model_dump()}
     fp = dataset_fingerprint(check_name(name), "synthetic", opts, {"generator": synthetic.GENERATOR_VERSION})
     found = existing_dataset(store, name, fp)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import scipy.sparse
 
 
 @dataclass
@@ -15,7 +19,9 @@ class SourceGraph:
         node_id: (N,) int64 node ids, any order, must be unique.
         label: (N,) int64 class per node, -1 for unknown.
         split: (N,) str ``train|val|test|none``, or None to draw a stratified split.
-        x: (N, F) float32 features, row i belongs to ``node_id[i]``.
+        x: (N, F) float32 features, row i belongs to ``node_id[i]``: an ndarray, or a
+            ``scipy.sparse.csr_matrix`` for sources that are sparse (Planetoid, JSON active ids),
+            never densified on the way in (``graphstore.ingest.features`` picks the stored layout).
         src, dst: (E,) int64 directed edges, node ids (not row positions), in source order
             (so validation errors name the source's rows).
         undirected: store every edge in both directions (reverse edges are added when writing).
@@ -29,7 +35,7 @@ class SourceGraph:
     node_id: np.ndarray
     label: np.ndarray
     split: np.ndarray | None
-    x: np.ndarray
+    x: np.ndarray | scipy.sparse.csr_matrix
     src: np.ndarray
     dst: np.ndarray
     num_classes: int

@@ -4,6 +4,10 @@ The pickles were written by Python 2 and are read only through an allow-list unp
 whose pickle asks for any other class is refused. The split is the public one (train = the
 rows of ``y``, val = the next 500, test = ``test.index``); CiteSeer's test indices that have no
 feature row are padded with zero features and an unknown label, as the reference GCN loader does.
+
+The features (``allx``, ``tx``: scipy CSR bag-of-words matrices) stay sparse all the way: the
+padding and the test-row reordering are row selections of CSR matrices, so no N x F array is
+built (a pickle holding a dense ndarray instead gives a dense matrix).
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from graphstore.errors import InputError
 from graphstore.fingerprint import file_digest
 from graphstore.ingest.graph import SourceGraph
+
+if TYPE_CHECKING:
+    from graphstore.parquet_io import FeatureMatrix
 
 PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
 
@@ -87,6 +95,7 @@ def planetoid_content(directory: Path) -> dict[str, str]:
 
 
 def _dense(matrix: object, path: Path) -> np.ndarray:
+    """A small matrix (the one-hot labels) as a float32 ndarray."""
     import scipy.sparse as sp  # imported here: it adds ~0.15 s to every CLI start
 
     if sp.issparse(matrix):
@@ -96,11 +105,43 @@ def _dense(matrix: object, path: Path) -> np.ndarray:
     raise InputError(str(path), f"expected a matrix, found {type(matrix).__name__}")
 
 
+def _features(matrix: object, path: Path) -> "FeatureMatrix":
+    """A feature matrix as it is in the file: float32 CSR for a scipy matrix, else a dense ndarray."""
+    import scipy.sparse as sp
+
+    if sp.issparse(matrix):
+        return sp.csr_matrix(matrix, dtype=np.float32)
+    if isinstance(matrix, np.ndarray) and matrix.ndim == 2:
+        return matrix.astype(np.float32)
+    raise InputError(str(path), f"expected a matrix, found {type(matrix).__name__}")
+
+
+def _take_rows(x: "FeatureMatrix", rows: np.ndarray) -> "FeatureMatrix":
+    """Rows ``rows`` of ``x``; a row index of -1 gives a row of zeros (dense or CSR alike)."""
+    import scipy.sparse as sp
+
+    padded = sp.vstack([x, sp.csr_matrix((1, x.shape[1]), dtype=np.float32)], format="csr") if sp.issparse(x) \
+        else np.vstack([x, np.zeros((1, x.shape[1]), np.float32)])
+    return padded[np.where(rows < 0, x.shape[0], rows)]
+
+
+def _stack(top: "FeatureMatrix", bottom: "FeatureMatrix") -> "FeatureMatrix":
+    import scipy.sparse as sp
+
+    if sp.issparse(top) or sp.issparse(bottom):
+        return sp.vstack([sp.csr_matrix(top), sp.csr_matrix(bottom)], format="csr", dtype=np.float32)
+    return np.vstack([top, bottom])
+
+
 def load_planetoid(directory: Path) -> SourceGraph:
     """Read the eight files; node ids are 0..N-1 in the reference loader's order."""
     prefix = find_prefix(directory)
     path = {part: directory / f"ind.{prefix}.{part}" for part in PARTS}
-    x, y, tx, ty, allx, ally = (_dense(safe_load(path[p]), path[p]) for p in ("x", "y", "tx", "ty", "allx", "ally"))
+    # every file is read and checked, in the reference loader's order (``x`` itself is not used:
+    # its rows are the first rows of ``allx``)
+    loaded = {p: safe_load(path[p]) for p in ("x", "y", "tx", "ty", "allx", "ally")}
+    _x, tx, allx = (_features(loaded[p], path[p]) for p in ("x", "tx", "allx"))
+    y, ty, ally = (_dense(loaded[p], path[p]) for p in ("y", "ty", "ally"))
     graph = safe_load(path["graph"])
     if not isinstance(graph, dict):
         raise InputError(str(path["graph"]), f"expected a dict of adjacency lists, found {type(graph).__name__}")
@@ -111,17 +152,22 @@ def load_planetoid(directory: Path) -> SourceGraph:
     test_sorted = np.sort(test_index)
 
     # Test indices without a feature row (CiteSeer): pad with zero features, unknown label.
+    # Row k of tx/ty goes to position test_sorted[k] - min of the full test range, others are -1.
     full_range = np.arange(test_sorted.min(), test_sorted.max() + 1)
-    tx_full = np.zeros((len(full_range), tx.shape[1]), np.float32)
+    source_row = np.full(len(full_range), -1, np.int64)
+    source_row[test_sorted - test_sorted.min()] = np.arange(len(test_sorted))
+    tx_full = _take_rows(tx, source_row)
     ty_full = np.zeros((len(full_range), ty.shape[1]), np.float32)
-    tx_full[test_sorted - test_sorted.min()] = tx
     ty_full[test_sorted - test_sorted.min()] = ty
 
-    features = np.vstack([allx, tx_full])
+    features = _stack(allx, tx_full)
     onehot = np.vstack([ally, ty_full])
-    features[test_index] = features[test_sorted]
-    onehot[test_index] = onehot[test_sorted]
+    # The reference loader's ``features[test_index] = features[test_sorted]``, as a row permutation.
     num_nodes = features.shape[0]
+    permutation = np.arange(num_nodes)
+    permutation[test_index] = test_sorted
+    features = features[permutation]
+    onehot = onehot[permutation]
     label = np.where(onehot.sum(1) > 0, onehot.argmax(1), -1).astype(np.int64)
 
     split = np.full(num_nodes, "none", dtype="<U5")

@@ -8,11 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
+from graphstore.ingest.features import RequestedFormat
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions
-from graphstore.ingest.writer import DatasetRef, find_dataset
 from graphstore.layout import Store
+from graphstore.lookup import DatasetRef, find_dataset
 
 
 class DatasetSpec(BaseModel):
@@ -31,6 +32,7 @@ class DatasetSpec(BaseModel):
     features: str | None = None
     tables: TableOptions = Field(default_factory=TableOptions)
     undirected: bool = False  # ogb: add reverse edges
+    feature_format: RequestedFormat = "auto"  # planetoid / ogb (tables: tables.feature_format)
     synthetic: SyntheticOptions | None = None
     split: SplitFractions = Field(default_factory=SplitFractions)
 
@@ -48,9 +50,9 @@ def ingest_source(store: Store, spec: DatasetSpec) -> DatasetRef:
     if spec.source == "store":
         return find_dataset(store, spec.name)
     if spec.source == "planetoid":
-        return ingest_planetoid(store, Path(spec.path), spec.name)  # type: ignore[arg-type]
+        return ingest_planetoid(store, Path(spec.path), spec.name, spec.feature_format)  # type: ignore[arg-type]
     if spec.source == "ogb":
-        return ingest_ogb(store, Path(spec.path), spec.name, spec.undirected)  # type: ignore[arg-type]
+        return ingest_ogb(store, Path(spec.path), spec.name, spec.undirected, spec.feature_format)  # type: ignore[arg-type]
     if spec.source == "tables":
         features = Path(spec.features) if spec.features else None
         return ingest_tables(store, spec.name, Path(spec.edges), Path(spec.nodes), features, spec.tables, spec.split)  # type: ignore[arg-type]

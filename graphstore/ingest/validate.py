@@ -79,15 +79,28 @@ def check_splits(graph: SourceGraph) -> None:
 
 
 def check_features(graph: SourceGraph) -> None:
+    """One feature row per node, width > 0, finite values; ``graph.x`` dense or CSR.
+
+    For a CSR matrix only the stored entries are looked at (unstored entries are zeros), so
+    nothing of size N x F is allocated.
+    """
     file = graph.files.get("features", "features")
-    if graph.x.ndim != 2 or graph.x.shape[0] != graph.num_nodes:
-        raise InputError(file, f"expected one feature row per node ({graph.num_nodes}), got shape {graph.x.shape}")
-    if graph.x.shape[1] == 0:
+    x = graph.x
+    if len(x.shape) != 2 or x.shape[0] != graph.num_nodes:
+        raise InputError(file, f"expected one feature row per node ({graph.num_nodes}), got shape {x.shape}")
+    if x.shape[1] == 0:
         raise InputError(file, "feature width is 0")
-    finite = np.isfinite(graph.x)
+    if isinstance(x, np.ndarray):
+        finite = np.isfinite(x)
+        if not finite.all():
+            row, col = np.argwhere(~finite)[0]
+            raise InputError(file, f"feature value {x[row, col]} is not finite (feature {col})", "x", int(row) + 1)
+        return
+    finite = np.isfinite(x.data)
     if not finite.all():
-        row, col = np.argwhere(~finite)[0]
-        raise InputError(file, f"feature value {graph.x[row, col]} is not finite (feature {col})", "x", int(row) + 1)
+        entry = first_true(~finite)
+        row = int(np.searchsorted(x.indptr, entry, side="right")) - 1
+        raise InputError(file, f"feature value {x.data[entry]} is not finite (feature {x.indices[entry]})", "x", row + 1)
 
 
 def validate_graph(graph: SourceGraph) -> None:

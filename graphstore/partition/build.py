@@ -3,7 +3,9 @@
 Output, written atomically under ``partitions/dataset=<fp>/fp=<pfp>/``:
 
 - ``assignment.parquet``: ``node_id, part`` for every node;
-- ``part=i/nodes.parquet``: the nodes partition i owns with ``label, split, x``;
+- ``part=i/nodes.parquet``: the nodes partition i owns with ``label, split`` and their feature
+  rows in the dataset's layout (``x``, or ``x_idx, x_val`` for sparse datasets: rows are taken,
+  never densified; ``graphstore.parquet_io``);
 - ``part=i/edges.parquet``: every edge whose ``dst`` partition i owns (``src`` own or halo);
 - ``part=i/halo.parquet``: ``node_id, owner`` of the remote sources of those edges;
 - ``stats.parquet``: one row per part (owned nodes, local/cut edges, halo, split counts, balance).
@@ -11,7 +13,6 @@ Output, written atomically under ``partitions/dataset=<fp>/fp=<pfp>/``:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -23,10 +24,10 @@ import pyarrow.parquet as pq
 
 from graphstore.atomic import atomic_artefact
 from graphstore.errors import StoreError
-from graphstore.fingerprint import fingerprint
-from graphstore.ingest.writer import DatasetRef
-from graphstore.layout import MANIFEST, Store, is_complete
-from graphstore.parquet_io import COMPRESSION, edges_table
+from graphstore.layout import Store
+from graphstore.lookup import PARTITION_FORMAT, DatasetRef, PartitionRef, find_partition, partition_fingerprint
+from graphstore.manifests import PartitionManifest
+from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, take_feature_rows
 from graphstore.partition.methods import (
     PartitionOptions,
     column_parts,
@@ -38,30 +39,6 @@ from graphstore.partition.methods import (
 from graphstore.progress import Progress, no_progress
 
 log = logging.getLogger(__name__)
-PARTITION_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class PartitionRef:
-    """A partition artefact in the store (small: safe to return from Prefect tasks)."""
-
-    dataset_fp: str
-    fp: str
-    path: Path
-    method: str
-    parts: int
-    edge_cut: int
-    halo_total: int
-    created: bool
-
-    @classmethod
-    def from_manifest(cls, path: Path, created: bool = False) -> "PartitionRef":
-        m = json.loads((path / MANIFEST).read_text())
-        return cls(m["dataset"], m["fp"], path, m["method"], m["parts"], m["edge_cut"], m["halo_total"], created)
-
-
-def partition_fingerprint(dataset_fp: str, options: PartitionOptions) -> str:
-    return fingerprint({"format": PARTITION_FORMAT, "dataset": dataset_fp, **options.fingerprint_payload()})
 
 
 @dataclass
@@ -84,7 +61,6 @@ def to_positions(node_id: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def load_graph_arrays(dataset: DatasetRef) -> GraphArrays:
-    manifest = json.loads((dataset.path / MANIFEST).read_text())
     nodes = pq.read_table(dataset.path / "nodes.parquet", columns=["node_id", "label", "split"])
     node_id = nodes.column("node_id").to_numpy()
     edges = pq.read_table(dataset.path / "edges.parquet")
@@ -94,7 +70,7 @@ def load_graph_arrays(dataset: DatasetRef) -> GraphArrays:
         split=nodes.column("split").to_numpy(zero_copy_only=False),
         src=to_positions(node_id, edges.column("src").to_numpy()),
         dst=to_positions(node_id, edges.column("dst").to_numpy()),
-        symmetric=bool(manifest.get("symmetric", False)),
+        symmetric=dataset.manifest.symmetric,
     )
 
 
@@ -122,11 +98,6 @@ def assign(graph: GraphArrays, options: PartitionOptions, dataset: DatasetRef) -
     return supernode_parts(xadj, adjncy, options.parts, options.supernode_clusters, options.seed, options.objective)
 
 
-def find_partition(store: Store, dataset: DatasetRef, options: PartitionOptions) -> PartitionRef | None:
-    path = store.partition_dir(dataset.fp, partition_fingerprint(dataset.fp, options))
-    return PartitionRef.from_manifest(path) if is_complete(path) else None
-
-
 def build_partition(
     store: Store, dataset: DatasetRef, options: PartitionOptions, progress: Progress = no_progress
 ) -> PartitionRef:
@@ -146,24 +117,24 @@ def build_partition(
         pq.write_table(pa.table({"node_id": graph.node_id, "part": part}), writer.path / "assignment.parquet",
                        compression=COMPRESSION)
         pq.write_table(pa.Table.from_pylist(stats), writer.path / "stats.parquet", compression=COMPRESSION)
-        writer.manifest = {
-            "kind": "partition",
-            "format": PARTITION_FORMAT,
-            "fp": fp,
-            "dataset": dataset.fp,
-            "dataset_name": dataset.name,
+        writer.manifest = PartitionManifest(
+            format=PARTITION_FORMAT,
+            fp=fp,
+            dataset=dataset.fp,
+            dataset_name=dataset.name,
             **options.fingerprint_payload(),
-            "edge_cut": int(sum(s["cut_edges"] for s in stats)),
-            "halo_total": int(sum(s["halo_nodes"] for s in stats)),
-            "num_nodes": len(graph.node_id),
-            "num_edges": len(graph.src),
-            "num_features": dataset.num_features,
-            "num_classes": dataset.num_classes,
-            "assign_seconds": round(assign_seconds, 3),
-            "seconds": round(time.perf_counter() - started, 3),
-            "stats": stats,
-        }
-    ref = PartitionRef.from_manifest(target, created=True)
+            edge_cut=int(sum(s["cut_edges"] for s in stats)),
+            halo_total=int(sum(s["halo_nodes"] for s in stats)),
+            num_nodes=len(graph.node_id),
+            num_edges=len(graph.src),
+            num_features=dataset.num_features,
+            feature_format=dataset.manifest.feature_format,
+            num_classes=dataset.num_classes,
+            assign_seconds=round(assign_seconds, 3),
+            seconds=round(time.perf_counter() - started, 3),
+            stats=stats,
+        )
+    ref = PartitionRef.at(target, created=True)
     log.info("partition %s of %s: %d parts, edge cut %d, halo %d", fp, dataset.name, ref.parts, ref.edge_cut, ref.halo_total)
     return ref
 
@@ -172,7 +143,8 @@ def write_parts(
     out: Path, dataset: DatasetRef, graph: GraphArrays, part: np.ndarray, parts: int, progress: Progress
 ) -> list[dict[str, int | float]]:
     """Write ``part=i/{nodes,edges,halo}.parquet`` for every part; return the stats rows."""
-    features = pq.read_table(dataset.path / "features.parquet", columns=["x"]).column("x")
+    columns = feature_columns(dataset.manifest.feature_format)
+    features = pq.read_table(dataset.path / "features.parquet", columns=columns)
     # Part ids in the narrowest integer type: numpy's stable sort is a radix sort for <= 16-bit
     # integers (several times faster than for int64 on 20M edges), and gathers move fewer bytes.
     small = part.astype(np.int16 if parts <= np.iinfo(np.int16).max else np.int64)
@@ -199,7 +171,7 @@ def write_parts(
                 "node_id": graph.node_id[owned],
                 "label": graph.label[owned],
                 "split": pa.array(split, pa.string()),
-                "x": features.take(pa.array(owned)),
+                **take_feature_rows(features, owned),
             }),
             part_dir / "nodes.parquet",
             compression=COMPRESSION,

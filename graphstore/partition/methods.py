@@ -23,12 +23,14 @@ class PartitionOptions(BaseModel):
         clusters: supernode cluster count (default ``max(16 * parts, parts)``).
     """
 
-    method: Literal["random", "metis", "supernode", "column"] = "metis"
-    parts: int = Field(4, ge=1)
-    seed: int = 0
-    objective: Literal["cut", "vol"] = "cut"
-    clusters: int | None = Field(None, ge=1)
-    column: str | None = None
+    method: Literal["random", "metis", "supernode", "column"] = Field(
+        "metis", description="random | metis | supernode | column.")
+    parts: int = Field(4, ge=1, description="Number of partitions K (= workers).")
+    seed: int = Field(0, description="Seed (random assignment, METIS, supernode dealing).")
+    objective: Literal["cut", "vol"] = Field(
+        "cut", description="METIS objective: cut (edge cut) or vol (communication volume).")
+    clusters: int | None = Field(None, ge=1, description="supernode: number of METIS clusters (default 16 x parts).")
+    column: str | None = Field(None, description="column: node column holding each node's partition.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "PartitionOptions":

@@ -1,0 +1,116 @@
+"""Finding artefacts in the store: datasets by name or fingerprint, partitions by options, finished
+layers by fingerprint, completed runs. Every store lookup lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphstore.errors import StoreError
+from graphstore.fingerprint import fingerprint
+from graphstore.layout import MANIFEST, Store, is_complete
+from graphstore.manifests import DatasetManifest, LayerManifest, PartitionManifest, RunManifest, read_manifest
+from graphstore.partition.methods import PartitionOptions
+
+PARTITION_FORMAT = 2  # bump when the on-disk layout of a partition changes (2: sparse feature layout)
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """A dataset in the store (small: safe to return from Prefect tasks)."""
+
+    name: str
+    fp: str
+    path: Path
+    num_nodes: int
+    num_edges: int
+    num_features: int
+    num_classes: int
+    created: bool  # False when the store already had this fingerprint
+
+    @classmethod
+    def at(cls, path: Path, created: bool = False) -> "DatasetRef":
+        m = read_manifest(path, DatasetManifest)
+        return cls(m.name, m.fp, path, m.num_nodes, m.num_edges, m.num_features, m.num_classes, created)
+
+    @property
+    def manifest(self) -> DatasetManifest:
+        return read_manifest(self.path, DatasetManifest)
+
+
+@dataclass(frozen=True)
+class PartitionRef:
+    """A partition artefact in the store (small: safe to return from Prefect tasks)."""
+
+    dataset_fp: str
+    fp: str
+    path: Path
+    method: str
+    parts: int
+    edge_cut: int
+    halo_total: int
+    created: bool
+
+    @classmethod
+    def at(cls, path: Path, created: bool = False) -> "PartitionRef":
+        m = read_manifest(path, PartitionManifest)
+        return cls(m.dataset, m.fp, path, m.method, m.parts, m.edge_cut, m.halo_total, created)
+
+    @property
+    def manifest(self) -> PartitionManifest:
+        return read_manifest(self.path, PartitionManifest)
+
+
+def existing_dataset(store: Store, name: str, fp: str) -> DatasetRef | None:
+    path = store.dataset_dir(name, fp)
+    return DatasetRef.at(path) if is_complete(path) else None
+
+
+def find_dataset(store: Store, name_or_fp: str) -> DatasetRef:
+    """The dataset called ``name_or_fp`` (its newest version), or the one with that fingerprint."""
+    manifests = [read_manifest(p.parent, DatasetManifest) for p in store.datasets_dir().glob(f"name=*/fp=*/{MANIFEST}")]
+    candidates = [(m.created_at, store.dataset_dir(m.name, m.fp)) for m in manifests if name_or_fp in (m.name, m.fp)]
+    if not candidates:
+        known = sorted({m.name for m in manifests})
+        raise StoreError(
+            f"no dataset '{name_or_fp}' in store {store.root}; known datasets: {', '.join(known) or 'none'} "
+            "(run `retexo ingest ...` first)"
+        )
+    return DatasetRef.at(max(candidates)[1])
+
+
+def partition_fingerprint(dataset_fp: str, options: PartitionOptions) -> str:
+    return fingerprint({"format": PARTITION_FORMAT, "dataset": dataset_fp, **options.fingerprint_payload()})
+
+
+def find_partition(store: Store, dataset: DatasetRef, options: PartitionOptions) -> PartitionRef | None:
+    path = store.partition_dir(dataset.fp, partition_fingerprint(dataset.fp, options))
+    return PartitionRef.at(path) if is_complete(path) else None
+
+
+def layer_fp_of(directory: Path) -> str | None:
+    """The fingerprint of a finished layer folder, None when it is not finished."""
+    return read_manifest(directory, LayerManifest).fp if is_complete(directory) else None
+
+
+def find_layer(store: Store, layer: int, layer_fp: str) -> Path | None:
+    """A finished ``layer=<layer>`` folder of any run whose fingerprint is ``layer_fp``."""
+    for manifest_path in sorted((store.root / "runs").glob(f"run=*/layer={layer}/{MANIFEST}")):
+        if read_manifest(manifest_path.parent, LayerManifest).fp == layer_fp:
+            return manifest_path.parent
+    return None
+
+
+def completed_run(store: Store, run: str) -> RunManifest:
+    """The manifest of a completed run, by full fingerprint or a unique prefix."""
+    matches = [p for p in (store.root / "runs").glob(f"run={run}*") if is_complete(p)]
+    if len(matches) != 1:
+        known = sorted(p.name.removeprefix("run=") for p in (store.root / "runs").glob("run=*") if is_complete(p))
+        raise StoreError(f"no unique completed run '{run}' in {store.root} (completed runs: {', '.join(known) or 'none'})")
+    return read_manifest(matches[0], RunManifest)
+
+
+def dataset_runs(store: Store, dataset_fp: str) -> list[RunManifest]:
+    """Every completed run on the dataset version ``dataset_fp``, oldest first."""
+    runs = [read_manifest(p.parent, RunManifest) for p in sorted((store.root / "runs").glob(f"run=*/{MANIFEST}"))]
+    return sorted((r for r in runs if r.dataset == dataset_fp), key=lambda r: r.created_at)
