@@ -1,62 +1,96 @@
-"""Training options (pydantic): one model for every strategy, validated before any work starts."""
+"""Training options: the one declaration (pydantic) that the CLI options, the preset keys and the
+run and layer fingerprints are all derived from. No torch import here, so the CLI starts fast.
+
+Each field carries its help text and, in ``json_schema_extra``, how it enters the fingerprints:
+
+- ``scope``: ``layer`` (every layer of a layer-wise run depends on it), ``per_layer`` (one value per
+  layer; layer l depends on entries 1..l), ``run`` (only the run as a whole, e.g. epochs of an
+  end-to-end strategy), ``none`` (not part of any result, e.g. a timeout);
+- ``strategies``: the strategies the option applies to (absent: all); other strategies leave it
+  out of their fingerprints, so changing a VARCO knob never invalidates a Retexo run;
+- ``cli``: the command-line name when it is not the field name with dashes.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from retexo_core.comm.codec import Compression
-from retexo_core.models import ModelName
-
 Strategy = Literal["retexo", "standard", "centralized", "varco", "tma", "grappa"]
+ModelName = Literal["gcn", "sage", "gat"]
+Compression = Literal["none", "fp16", "int8"]
+Scope = Literal["layer", "per_layer", "run", "none"]
+END_TO_END = ("standard", "centralized", "varco", "tma", "grappa")
+
+
+def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
+           cli: str | None = None, **constraints: Any) -> Any:
+    """A ``Field`` with its help text and its fingerprint scope (see the module docstring)."""
+    extra: dict[str, Any] = {"scope": scope}
+    if strategies is not None:
+        extra["strategies"] = list(strategies)
+    if cli is not None:
+        extra["cli"] = cli
+    return Field(default, description=help, json_schema_extra=extra, **constraints)
 
 
 class TrainConfig(BaseModel):
-    """What to train and how. Per-layer lists (``rounds``, ``lr``) may be given as one value.
-
-    Attributes:
-        strategy: retexo (lazy message passing), standard (full-graph distributed; ``bns_rate`` < 1
-            gives BNS-GCN), centralized (one process, whole graph; ``layerwise`` trains it like
-            Retexo), varco, tma, grappa.
-        setting: transductive, or inductive (val/test nodes and their edges unseen in training).
-        rounds: retexo: full-batch rounds per layer; epochs: end-to-end strategies.
-        sync / sync_every: retexo gradient sync every round (``grad``, the paper) or local steps with
-            model averaging every ``sync_every`` rounds (``avg``).
-        compress: encoding of everything sent (not ``control``).
-        eval_every: end-to-end strategies evaluate on validation every this many epochs.
-        timeout_s: limit on every collective; a dead or hung worker fails the run within it.
-    """
+    """What to train and how. Per-layer options (``rounds``, ``lr``) take one value or one per layer."""
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Strategy = "retexo"
-    model: ModelName = "gcn"
-    setting: Literal["transductive", "inductive"] = "transductive"
-    layers: int = Field(2, ge=1, le=8)
-    hidden: int = Field(256, ge=1)
-    heads: int = Field(4, ge=1)
-    dropout: float = Field(0.5, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
-    rounds: int | list[int] = 200
-    lr: float | list[float] = 0.01
-    epochs: int = Field(200, ge=1)
-    seed: int = 0
-    sync: Literal["grad", "avg"] = "grad"
-    sync_every: int = Field(1, ge=1)
-    compress: Compression = "none"
-    bns_rate: float = Field(1.0, gt=0, le=1)
-    eval_every: int = Field(1, ge=1)
-    layerwise: bool = False
-    varco_c_max: float = Field(8.0, ge=1)
-    varco_c_min: float = Field(1.0, ge=1)
-    varco_schedule: Literal["linear", "fixed"] = "linear"
-    agg_every_steps: int = Field(10, ge=1)
-    agg_every_seconds: float | None = Field(None, gt=0)
-    tolerate_failures: bool = False
-    grappa_refresh_every: int = Field(50, ge=1)
-    grappa_shrinkage: float = Field(0.0, ge=0, le=1)
-    timeout_s: float = Field(300.0, gt=0)
+    strategy: Strategy = option("retexo", "retexo (lazy message passing, layer by layer) | standard (full-graph "
+                                "distributed; bns_rate < 1 gives BNS-GCN) | centralized (one process) | varco | tma "
+                                "| grappa.", scope="layer")
+    model: ModelName = option("gcn", "gcn | sage | gat.", scope="layer")
+    setting: Literal["transductive", "inductive"] = option(
+        "transductive", "transductive | inductive (val/test nodes and their edges unseen in training).", scope="layer")
+    layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
+    hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
+    heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
+    dropout: float = option(0.5, "Dropout rate (layer-wise training: on the aggregated inputs of a layer; "
+                            "end-to-end: on every block's input).", scope="layer", ge=0, lt=1)
+    weight_decay: float = option(5e-4, "Adam weight decay.", scope="layer", ge=0)
+    rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
+                                     "(comma list on the command line).", scope="per_layer",
+                                     strategies=("retexo", "centralized"))
+    lr: float | list[float] = option(0.01, "Learning rate, one value or one per layer (comma list).",
+                                     scope="per_layer")
+    epochs: int = option(200, "Epochs (steps) of the end-to-end strategies.", scope="run", strategies=END_TO_END,
+                         ge=1)
+    seed: int = option(0, "Training seed.", scope="layer")
+    sync: Literal["grad", "avg"] = option("grad", "retexo: grad (sum gradients every round) or avg (local steps, "
+                                          "model averaging every sync_every rounds).", scope="layer",
+                                          strategies=("retexo",))
+    sync_every: int = option(1, "retexo --sync avg: rounds between averagings.", scope="layer",
+                             strategies=("retexo",), ge=1)
+    compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
+                                   "int8.", scope="layer")
+    bns_rate: float = option(1.0, "standard: fraction of boundary nodes sampled per epoch (BNS-GCN).", scope="run",
+                             strategies=("standard",), gt=0, le=1)
+    eval_every: int = option(1, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
+                             "parameters with the best validation accuracy are kept.", scope="layer", ge=1)
+    layerwise: bool = option(False, "centralized: train layer by layer like Retexo.", scope="layer",
+                             strategies=("centralized",))
+    varco_c_max: float = option(8.0, "varco: compression ratio at the first epoch.", scope="run",
+                                strategies=("varco",), ge=1)
+    varco_c_min: float = option(1.0, "varco: compression ratio at the last epoch.", scope="run",
+                                strategies=("varco",), ge=1)
+    varco_schedule: Literal["linear", "fixed"] = option("linear", "varco: linear (c_max -> c_min) or fixed (c_max "
+                                                        "throughout).", scope="run", strategies=("varco",))
+    agg_every_steps: int = option(10, "tma: average the models every this many steps.", scope="run",
+                                  strategies=("tma",), ge=1)
+    agg_every_seconds: float | None = option(None, "tma: average every this many seconds instead.", scope="run",
+                                             strategies=("tma",), gt=0)
+    tolerate_failures: bool = option(False, "tma: drop a dead trainer from the average and go on.", scope="run",
+                                     strategies=("tma",))
+    grappa_refresh_every: int = option(50, "grappa: epochs between repartitionings.", scope="run",
+                                       strategies=("grappa",), ge=1)
+    grappa_shrinkage: float = option(0.0, "grappa: shrink coverage weights towards uniform (0..1).", scope="run",
+                                     strategies=("grappa",), ge=0, le=1)
+    timeout_s: float = option(300.0, "Seconds any collective may wait before the run fails.", scope="none",
+                              cli="timeout", gt=0)
 
     @field_validator("rounds", "lr")
     @classmethod
@@ -80,41 +114,43 @@ class TrainConfig(BaseModel):
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) for GAT")
         return self
 
+    def per_layer(self, name: str, layer: int) -> Any:
+        """Layer ``layer``'s (1-based) value of a per-layer option."""
+        value = getattr(self, name)
+        return value[layer - 1] if isinstance(value, list) else value
+
     def layer_rounds(self, layer: int) -> int:
-        """Rounds of layer ``layer`` (1-based)."""
-        return self.rounds[layer - 1] if isinstance(self.rounds, list) else self.rounds
+        return int(self.per_layer("rounds", layer))
 
     def layer_lr(self, layer: int) -> float:
-        return self.lr[layer - 1] if isinstance(self.lr, list) else self.lr
+        return float(self.per_layer("lr", layer))
 
     @property
     def is_layerwise(self) -> bool:
         return self.strategy == "retexo" or (self.strategy == "centralized" and self.layerwise)
 
-    def common_payload(self) -> dict[str, object]:
-        """Options shared by all layers (part of every layer fingerprint)."""
-        keys = ["strategy", "model", "setting", "hidden", "heads", "dropout", "weight_decay", "seed", "compress"]
-        if self.strategy == "retexo":
-            keys += ["sync", "sync_every"]
-        if self.strategy == "centralized":
-            keys += ["layerwise"]
-        return {k: getattr(self, k) for k in keys}
+    def _fields(self, scopes: set[str]) -> list[str]:
+        """Names of the fields with one of ``scopes`` that apply to this run's strategy."""
+        names = []
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra or {}
+            applies = self.strategy in extra.get("strategies", [self.strategy])  # type: ignore[operator]
+            if extra.get("scope") in scopes and applies:
+                names.append(name)
+        return names
 
     def layer_payload(self, layer: int) -> dict[str, object]:
-        """What determines layer ``layer`` of a layer-wise run: common options + layers 1..layer."""
-        return {
-            **self.common_payload(),
-            "per_layer": [{"rounds": self.layer_rounds(k), "lr": self.layer_lr(k)} for k in range(1, layer + 1)],
-            "last": layer == self.layers,
-        }
+        """What determines layer ``layer`` of a layer-wise run: shared options and layers 1..layer."""
+        per_layer = {name: [self.per_layer(name, k) for k in range(1, layer + 1)]
+                     for name in self._fields({"per_layer"})}
+        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **per_layer, "last": layer == self.layers}
 
     def run_payload(self) -> dict[str, object]:
-        """Everything that determines a run's results (the run fingerprint): the options of the
-        chosen strategy, without the other strategies' knobs."""
-        owned = {
-            "varco": {"varco_c_max", "varco_c_min", "varco_schedule"},
-            "tma": {"agg_every_steps", "agg_every_seconds", "tolerate_failures"},
-            "grappa": {"grappa_refresh_every", "grappa_shrinkage"},
-        }
-        foreign = set().union(*(keys for name, keys in owned.items() if name != self.strategy))
-        return self.model_dump(exclude={"timeout_s"} | foreign)
+        """Everything that determines a run's results (the run fingerprint)."""
+        return {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "run"})}
+
+
+def cli_name(model: type[BaseModel], field: str) -> str:
+    """The command-line option name of a field (``timeout_s`` -> ``timeout``)."""
+    extra = model.model_fields[field].json_schema_extra or {}
+    return str(extra.get("cli", field))  # type: ignore[union-attr]

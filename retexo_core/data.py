@@ -2,19 +2,23 @@
 
 Local node order: the n owned nodes (sorted by node id) first, then the h halo nodes grouped by
 owner (and sorted by id within an owner). Every edge has its destination among the owned nodes.
+
+Features come in the dataset's layout (the manifests' ``feature_format``): a dense float32 tensor,
+or a :class:`retexo_core.sparse.SparseMatrix` for sparse (bag-of-words) datasets, never densified.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from graphstore.layout import MANIFEST
-from graphstore.parquet_io import features_matrix, read_table
+from graphstore.manifests import DatasetManifest, PartitionManifest, read_manifest
+from graphstore.parquet_io import feature_columns, features_of, read_table
+from retexo_core.sparse import SparseMatrix
 
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -26,7 +30,10 @@ class PartData:
     Attributes:
         part, num_parts: this partition's index and K.
         node_id: (n,) int64 ids of owned nodes.
-        x: (n, F) float32 owned features.
+        x: (n, F) owned features, F = the manifest's ``num_features``: a float32
+            ``torch.Tensor`` for dense datasets, a float32 :class:`SparseMatrix` (CSR, column ids
+            sorted within each row, no explicit zeros) for sparse ones; row i belongs to
+            ``node_id[i]`` either way.
         y: (n,) int64 labels (-1 unknown).
         masks: split name -> (n,) bool.
         halo_id, halo_owner: (h,) int64 remote nodes this partition needs, grouped by owner.
@@ -37,7 +44,7 @@ class PartData:
     part: int
     num_parts: int
     node_id: np.ndarray
-    x: torch.Tensor
+    x: torch.Tensor | SparseMatrix
     y: torch.Tensor
     masks: dict[str, torch.Tensor]
     halo_id: np.ndarray
@@ -60,13 +67,9 @@ class PartData:
         return slice(int(lo), int(hi))
 
 
-def read_partition_meta(partition_dir: Path) -> dict[str, object]:
-    return json.loads((partition_dir / MANIFEST).read_text())
-
-
 def load_part(partition_dir: Path, part: int) -> PartData:
     """Read ``part=<part>/{nodes,edges,halo}.parquet`` (and the partition manifest) only."""
-    meta = read_partition_meta(partition_dir)
+    meta = read_manifest(partition_dir, PartitionManifest)
     folder = partition_dir / f"part={part}"
     nodes = read_table(folder / "nodes.parquet")
     edges = read_table(folder / "edges.parquet")
@@ -78,17 +81,25 @@ def load_part(partition_dir: Path, part: int) -> PartData:
     halo_id, halo_owner = halo_id[order], halo_owner[order]
     return PartData(
         part=part,
-        num_parts=int(meta["parts"]),
+        num_parts=meta.parts,
         node_id=node_id,
-        x=torch.from_numpy(features_matrix(nodes.column("x"))),
+        x=feature_tensor(nodes, meta.num_features),
         y=torch.from_numpy(nodes.column("label").to_numpy().astype(np.int64)),
         masks={name: torch.from_numpy(split == name) for name in SPLIT_NAMES},
         halo_id=halo_id,
         halo_owner=halo_owner,
         src=local_positions(node_id, halo_id, edges.column("src").to_numpy()),
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
-        num_classes=int(meta["num_classes"]),
+        num_classes=meta.num_classes,
     )
+
+
+def feature_tensor(table: pa.Table, width: int) -> torch.Tensor | SparseMatrix:
+    """The feature columns of ``table`` (either layout) as an (n, width) float32 tensor or SparseMatrix."""
+    x = features_of(table, width)
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return SparseMatrix.from_scipy(x)
 
 
 def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -104,9 +115,9 @@ def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.
 
 def load_whole_graph(dataset_dir: Path) -> PartData:
     """The whole dataset as a single partition (for centralized training): no halo."""
-    manifest = json.loads((dataset_dir / MANIFEST).read_text())
+    manifest = read_manifest(dataset_dir, DatasetManifest)
     nodes = read_table(dataset_dir / "nodes.parquet", columns=["node_id", "label", "split"])
-    features = read_table(dataset_dir / "features.parquet", columns=["x"])
+    features = read_table(dataset_dir / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset_dir / "edges.parquet")
     node_id = nodes.column("node_id").to_numpy()
     split = nodes.column("split").to_numpy(zero_copy_only=False)
@@ -114,12 +125,12 @@ def load_whole_graph(dataset_dir: Path) -> PartData:
         part=0,
         num_parts=1,
         node_id=node_id,
-        x=torch.from_numpy(features_matrix(features.column("x"))),
+        x=feature_tensor(features, manifest.num_features),
         y=torch.from_numpy(nodes.column("label").to_numpy().astype(np.int64)),
         masks={name: torch.from_numpy(split == name) for name in SPLIT_NAMES},
         halo_id=np.empty(0, np.int64),
         halo_owner=np.empty(0, np.int64),
         src=np.searchsorted(node_id, edges.column("src").to_numpy()),
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
-        num_classes=int(manifest["num_classes"]),
+        num_classes=manifest.num_classes,
     )

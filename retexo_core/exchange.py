@@ -1,4 +1,5 @@
-"""Exchange plans over a halo (full, visible-only, BNS-sampled) and the differentiable halo exchange."""
+"""Exchange plans over a halo (full, visible-only, BNS-sampled), the exchange of planned rows (dense,
+or sparse bag-of-words rows in a sparse encoding), and the differentiable halo exchange."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import numpy as np
 import torch
 
 from retexo_core.comm.communicator import Communicator
+from retexo_core.comm.sparse_codec import decode_rows, encode_rows
 from retexo_core.halo import HaloPlan
+from retexo_core.models import Features
+from retexo_core.sparse import SparseMatrix
 
 
 @dataclass
@@ -55,8 +59,10 @@ def sampled_plan(comm: Communicator, base: ExchangePlan, rate: float, rng: np.ra
     return ExchangePlan(send, recv, base.num_halo)
 
 
-def exchange_rows(comm: Communicator, plan: ExchangePlan, owned: torch.Tensor, kind: str) -> torch.Tensor:
+def exchange_rows(comm: Communicator, plan: ExchangePlan, owned: Features, kind: str) -> Features:
     """Send planned rows of ``owned`` (n, d); return (h, d) halo rows (zeros where nothing arrives)."""
+    if isinstance(owned, SparseMatrix):
+        return exchange_sparse_rows(comm, plan, owned, kind)
     send = [owned[torch.from_numpy(idx)] for idx in plan.send_index]
     shapes = [(len(idx), owned.shape[1]) for idx in plan.recv_index]
     got = comm.exchange(send, shapes, owned.dtype, kind)
@@ -65,6 +71,36 @@ def exchange_rows(comm: Communicator, plan: ExchangePlan, owned: torch.Tensor, k
         if j != comm.rank and len(idx):
             halo[torch.from_numpy(idx)] = got[j]
     return halo
+
+
+def exchange_sparse_rows(comm: Communicator, plan: ExchangePlan, owned: SparseMatrix, kind: str) -> SparseMatrix:
+    """Sparse rows travel as (nnz per row, column ids, values) with the run's compression of values;
+    the payload sizes go first (``control``). Returns the (h, d) sparse halo rows."""
+    codec = comm.codec(kind)
+    payloads = [encode_rows(owned.select_rows(torch.from_numpy(idx)), codec) if j != comm.rank
+                else torch.empty(0, dtype=torch.uint8) for j, idx in enumerate(plan.send_index)]
+    got = comm.exchange_bytes(payloads, kind)
+    rows, cols, vals = [], [], []
+    for j, idx in enumerate(plan.recv_index):
+        if j == comm.rank or not len(idx):
+            continue
+        block = decode_rows(got[j], len(idx), owned.shape[1], codec)
+        rows.append(torch.from_numpy(idx)[block.row_index()])
+        cols.append(block.col)
+        vals.append(block.val)
+    if not rows:
+        return SparseMatrix.from_coo(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32),
+                                     (plan.num_halo, owned.shape[1]))
+    return SparseMatrix.from_coo(torch.cat(rows), torch.cat(cols), torch.cat(vals), (plan.num_halo, owned.shape[1]))
+
+
+def stack_rows(top: Features, bottom: Features) -> Features:
+    """(a, d) over (b, d) -> (a + b, d): the owned rows followed by the halo rows."""
+    if not isinstance(top, SparseMatrix):
+        return torch.cat([top, bottom])  # type: ignore[list-item]
+    low = bottom.row_index() + top.shape[0]  # type: ignore[union-attr]
+    return SparseMatrix.from_coo(torch.cat([top.row_index(), low]), torch.cat([top.col, bottom.col]),  # type: ignore[union-attr]
+                                 torch.cat([top.val, bottom.val]), (top.shape[0] + bottom.shape[0], top.shape[1]))  # type: ignore[union-attr]
 
 
 class HaloExchange(torch.autograd.Function):

@@ -1,95 +1,269 @@
-"""GNN layers built on torch_geometric: GCN, GraphSAGE (mean) and GAT (multi-head).
+"""GNN blocks on sparse local graphs: GCN, GraphSAGE (mean) and GAT (multi-head).
 
-Every model is a stack of blocks ``dropout -> conv -> LayerNorm -> ReLU`` with a last block
-``dropout -> conv -> classes``. Per-layer (Retexo) training trains block l together with an
-auxiliary linear head (hidden -> classes) that is used only while that layer trains.
+A model is a stack of blocks ``conv -> LayerNorm -> ReLU`` with a last block ``conv -> classes``.
+The convs' parameters have PyG's names and initialisation (``GCNConv``, ``SAGEConv`` with mean
+aggregation, ``GATConv``: a state dict loads into PyG's conv, and the tests compare with it), but
+workers do not import PyG; propagation is ours, by sparse matrix products on a *local graph*: rows
+[0, n) are the owned (target) nodes, columns the sources (owned first, then halo nodes), so every
+output row is exact. Inputs may be dense or sparse (bag-of-words features as a ``SparseMatrix``).
 
-All convs run on a *local graph*: rows [0, n) are owned nodes, rows [n, n + h) halo nodes, and
-every edge points into an owned node, so rows [0, n) of a conv's output are exact.
+Two ways to run a block:
+
+- end to end (``forward``): dropout on the block's input, then propagation, every step;
+- layer-wise with frozen inputs (``aggregate`` once, then ``from_aggregated`` every round): GCN's
+  Â·X and SAGE's neighbour mean do not depend on the parameters, so they are computed once per
+  layer and the rounds are dense (or sparse-times-dense) products on them. Here dropout acts on the
+  aggregated inputs, after aggregation instead of before it. GAT's attention depends on its
+  parameters, so GAT propagates in every round (``forward`` on the fixed inputs).
+
+Per-layer (Retexo) training trains block l together with an auxiliary linear head
+(hidden -> classes) that is used only while that layer trains.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+
+import math
 
 import numpy as np
 import torch
 from torch import nn
-from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
-ModelName = Literal["gcn", "sage", "gat"]
+from retexo_core.config import ModelName
+from retexo_core.sparse import SparseMatrix, dropout, gat_aggregate, matmul, sparse_dropout, spmm, sparse_sparse
+
+Features = torch.Tensor | SparseMatrix  # (rows, d) dense, or sparse bag-of-words
+AGGREGATED_DENSITY = 0.25  # a sparse aggregate denser than this is stored dense
+_INIT_LOCK = threading.Lock()
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Build parameters from a fixed seed without disturbing the global RNG, also when several
+    ranks run as threads of one process (torch's initialisers draw from the global RNG)."""
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def rows_of(x: Features, index: torch.Tensor | None) -> Features:
+    """Rows ``index`` of dense or sparse features (all rows when ``index`` is None)."""
+    if index is None:
+        return x
+    return x.select_rows(index) if isinstance(x, SparseMatrix) else x[index]
+
+
+def first_rows(x: Features, n: int) -> Features:
+    """Rows [0, n) (the owned nodes of local inputs)."""
+    return x.select_rows(torch.arange(n)) if isinstance(x, SparseMatrix) else x[:n]
+
+
+def aggregate_linear(adj: SparseMatrix, x: Features, weight: torch.Tensor) -> torch.Tensor:
+    """adj @ x @ weight, multiplying in the cheaper order (sparse inputs are always transformed first)."""
+    if isinstance(x, SparseMatrix) or x.shape[1] > weight.shape[1]:
+        return spmm(adj, matmul(x, weight))
+    return matmul(spmm(adj, x), weight)
 
 
 @dataclass
 class LocalGraph:
-    """Edges of a local graph in the form a model's conv needs.
+    """The local graph of one view.
 
-    edge_index: (2, E') int64 (src, dst) local positions.
-    edge_weight: (E',) float32 GCN normalisation weights, None for SAGE / GAT.
-    num_owned: n; outputs are read from rows [0, n).
+    adj: (n, N) sparse, rows = owned targets, columns = sources (N = n + h, or n without halo):
+        gcn: Â with one self loop per owned node, weights ``1 / sqrt((d_u + 1)(d_v + 1))`` from the
+        *global* in-degrees (self loops ``1 / (d_v + 1)``), as PyG's ``gcn_norm`` on the whole graph;
+        sage: the mean over the stored in-edges (``1 / in-degree`` of the target);
+        gat: the stored edges without self loops plus one self loop per owned node, values 1.
+    num_owned: n.
     """
 
-    edge_index: torch.Tensor
-    edge_weight: torch.Tensor | None
+    adj: SparseMatrix
     num_owned: int
+    targets: torch.Tensor | None = None  # positions of the rows among the sources; None: 0..n-1
+
+    def restrict(self, rows: torch.Tensor) -> "LocalGraph":
+        """The graph of the target rows ``rows`` only (their in-edges from the same sources)."""
+        targets = rows if self.targets is None else self.targets[rows]
+        return LocalGraph(self.adj.select_rows(rows), len(rows), targets)
+
+    def own_rows(self, x: Features) -> Features:
+        """The targets' own rows of local inputs ``x``."""
+        return first_rows(x, self.num_owned) if self.targets is None else rows_of(x, self.targets)
 
 
 def local_graph(model: ModelName, src: np.ndarray, dst: np.ndarray, degree: torch.Tensor, num_owned: int,
-                keep: np.ndarray | None = None) -> LocalGraph:
-    """Edges (optionally only those in ``keep``) as a model's local graph.
+                num_sources: int | None = None, keep: np.ndarray | None = None) -> LocalGraph:
+    """The local graph of the edges ``src -> dst`` (local positions; only those in ``keep``).
 
-    For GCN, self loops are replaced by one self loop per owned node and each edge u->v is
-    weighted ``1 / sqrt((d_u + 1)(d_v + 1))`` with the *global* in-degrees ``degree`` (the
-    normalisation PyG's ``gcn_norm`` computes on the whole graph), self loops ``1 / (d_v + 1)``.
-    SAGE and GAT use the edges as stored (GATConv adds its own self loops).
+    ``degree``: (N,) global in-degree without self loops (used by GCN only); ``num_sources``: N
+    (default n: a graph without halo).
     """
     if keep is not None:
         src, dst = src[keep], dst[keep]
-    if model != "gcn":
-        return LocalGraph(torch.from_numpy(np.stack([src, dst])).long(), None, num_owned)
+    shape = (num_owned, num_owned if num_sources is None else num_sources)
+    if model == "sage":
+        counts = np.bincount(dst, minlength=num_owned).astype(np.float32)
+        weight = 1.0 / counts[dst]
+        return LocalGraph(SparseMatrix.from_coo(dst, src, weight, shape), num_owned)
     no_loop = src != dst
     src, dst = src[no_loop], dst[no_loop]
     loops = np.arange(num_owned)
-    inv_sqrt = (degree + 1.0).rsqrt()
-    weight = torch.cat([inv_sqrt[src] * inv_sqrt[dst], inv_sqrt[loops] ** 2])
-    index = torch.from_numpy(np.stack([np.concatenate([src, loops]), np.concatenate([dst, loops])])).long()
-    return LocalGraph(index, weight.float(), num_owned)
+    rows, cols = np.concatenate([dst, loops]), np.concatenate([src, loops])
+    if model == "gat":
+        return LocalGraph(SparseMatrix.from_coo(rows, cols, np.ones(len(rows), np.float32), shape), num_owned)
+    inv_sqrt = (degree.double() + 1.0).rsqrt().numpy()
+    weight = np.concatenate([inv_sqrt[src] * inv_sqrt[dst], inv_sqrt[loops] ** 2]).astype(np.float32)
+    return LocalGraph(SparseMatrix.from_coo(rows, cols, weight, shape), num_owned)
+
+
+def glorot_(tensor: torch.Tensor) -> torch.Tensor:
+    """PyG's ``glorot``: uniform in +-sqrt(6 / (fan_in + fan_out)) over the last two dimensions."""
+    bound = math.sqrt(6.0 / (tensor.size(-2) + tensor.size(-1)))
+    with torch.no_grad():
+        return tensor.uniform_(-bound, bound)
+
+
+def glorot_linear(in_dim: int, out_dim: int) -> nn.Linear:
+    linear = nn.Linear(in_dim, out_dim, bias=False)
+    glorot_(linear.weight)
+    return linear
+
+
+class GCNParams(nn.Module):
+    """``GCNConv``'s parameters: ``lin`` (no bias, glorot) and ``bias`` (zeros)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.in_channels, self.out_channels = in_dim, out_dim
+        self.lin = glorot_linear(in_dim, out_dim)
+        self.bias = nn.Parameter(torch.zeros(out_dim))
+
+
+class SAGEParams(nn.Module):
+    """``SAGEConv``'s parameters: ``lin_l`` (neighbour mean, with bias) and ``lin_r`` (own row)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.in_channels, self.out_channels = in_dim, out_dim
+        self.lin_l = nn.Linear(in_dim, out_dim)
+        self.lin_r = nn.Linear(in_dim, out_dim, bias=False)
+
+
+class GATParams(nn.Module):
+    """``GATConv``'s parameters: ``lin`` (glorot), ``att_src`` / ``att_dst`` (1, H, C) (glorot),
+    ``bias`` (zeros); heads concatenated (hidden layers) or averaged (last layer, one head)."""
+
+    def __init__(self, in_dim: int, channels: int, heads: int, concat: bool, negative_slope: float = 0.2):
+        super().__init__()
+        self.in_channels, self.out_channels, self.heads, self.concat = in_dim, channels, heads, concat
+        self.negative_slope = negative_slope
+        self.lin = glorot_linear(in_dim, heads * channels)
+        self.att_src = nn.Parameter(glorot_(torch.empty(1, heads, channels)))
+        self.att_dst = nn.Parameter(glorot_(torch.empty(1, heads, channels)))
+        self.bias = nn.Parameter(torch.zeros(heads * channels if concat else channels))
 
 
 def make_conv(model: ModelName, in_dim: int, out_dim: int, heads: int, last: bool) -> nn.Module:
+    """The parameters of ``model``'s conv from ``in_dim`` to ``out_dim`` features."""
     if model == "gcn":
-        return GCNConv(in_dim, out_dim, normalize=False)
+        return GCNParams(in_dim, out_dim)
     if model == "sage":
-        return SAGEConv(in_dim, out_dim, aggr="mean")
+        return SAGEParams(in_dim, out_dim)
     if last:
-        return GATConv(in_dim, out_dim, heads=1, concat=False)
+        return GATParams(in_dim, out_dim, heads=1, concat=False)
     if out_dim % heads:
         raise ValueError(f"GAT hidden size {out_dim} must be divisible by heads {heads}")
-    return GATConv(in_dim, out_dim // heads, heads=heads, concat=True)
+    return GATParams(in_dim, out_dim // heads, heads=heads, concat=True)
+
+
+@dataclass
+class Aggregated:
+    """A layer's frozen, aggregated inputs of the owned nodes (computed once per layer).
+
+    neigh: (n, d) GCN: Â·X; SAGE: the neighbour mean.
+    own: (n, d) SAGE: the node's own input row; None for GCN.
+    """
+
+    neigh: Features
+    own: Features | None
+
+    def rows(self, index: torch.Tensor | None) -> "Aggregated":
+        return Aggregated(rows_of(self.neigh, index), None if self.own is None else rows_of(self.own, index))
+
+    @property
+    def num_rows(self) -> int:
+        return self.neigh.shape[0]
+
+
+def aggregate_once(adj: SparseMatrix, x: Features) -> Features:
+    """A·X for frozen inputs: sparse stays sparse while the result is sparse enough."""
+    if not isinstance(x, SparseMatrix):
+        with torch.no_grad():
+            return spmm(adj, x)
+    product = sparse_sparse(adj, x)
+    return product if product.density <= AGGREGATED_DENSITY else product.to_dense()
+
+
+def _drop(x: Features, p: float, gen: torch.Generator | None, training: bool) -> Features:
+    if isinstance(x, SparseMatrix):
+        return sparse_dropout(x, p, gen, training)
+    return dropout(x, p, gen, training)
 
 
 class Block(nn.Module):
-    """``dropout -> conv -> LayerNorm -> ReLU`` (hidden) or ``dropout -> conv`` (last layer)."""
+    """``conv -> LayerNorm -> ReLU`` (hidden) or ``conv`` (last layer); dropout rate ``dropout``."""
 
     def __init__(self, model: ModelName, in_dim: int, out_dim: int, heads: int, dropout: float, last: bool):
         super().__init__()
         self.model = model
-        self.dropout = nn.Dropout(dropout)
+        self.p = dropout
+        self.out_dim = out_dim
         self.conv = make_conv(model, in_dim, out_dim, heads, last)
         self.norm = None if last else nn.LayerNorm(out_dim)
 
-    def forward(self, x: torch.Tensor, graph: LocalGraph) -> torch.Tensor:
-        """(n + h, in_dim) local inputs -> (n, out_dim) outputs of the owned nodes."""
-        x = self.dropout(x)
-        if graph.edge_weight is not None:
-            out = self.conv(x, graph.edge_index, graph.edge_weight)
-        else:
-            out = self.conv(x, graph.edge_index)
-        out = out[: graph.num_owned]
-        if self.norm is not None:
-            out = torch.relu(self.norm(out))
-        return out
+    # -- propagation -----------------------------------------------------------------------
+    def propagate(self, x: Features, graph: LocalGraph) -> torch.Tensor:
+        """(N, in) local inputs -> (n, out) conv outputs of the graph's target rows (before norm)."""
+        conv, adj, n = self.conv, graph.adj, graph.num_owned
+        if self.model == "gcn":
+            return aggregate_linear(adj, x, conv.lin.weight.t()) + conv.bias
+        if self.model == "sage":
+            neigh = aggregate_linear(adj, x, conv.lin_l.weight.t())
+            return neigh + conv.lin_l.bias + matmul(graph.own_rows(x), conv.lin_r.weight.t())
+        heads, channels = conv.heads, conv.out_channels
+        h = matmul(x, conv.lin.weight.t()).view(-1, heads, channels)
+        a_src = (h * conv.att_src).sum(-1)
+        a_dst = (graph.own_rows(h) * conv.att_dst).sum(-1)
+        out = gat_aggregate(adj, h, a_src, a_dst, conv.negative_slope)
+        out = out.reshape(n, heads * channels) if conv.concat else out.mean(dim=1)
+        return out + conv.bias
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.norm is None else torch.relu(self.norm(out))
+
+    def forward(self, x: Features, graph: LocalGraph, gen: torch.Generator | None = None) -> torch.Tensor:
+        """(N, in) local inputs -> (n, out): dropout on the inputs, propagation, norm and ReLU."""
+        return self.finish(self.propagate(_drop(x, self.p, gen, self.training), graph))
+
+    # -- layer-wise training on frozen inputs ---------------------------------------------
+    def aggregate(self, x: Features, graph: LocalGraph) -> Aggregated:
+        """GCN / SAGE: the parameter-free part of the block on frozen inputs, once per layer."""
+        neigh = aggregate_once(graph.adj, x)
+        own = graph.own_rows(x) if self.model == "sage" else None
+        return Aggregated(neigh, own)
+
+    def from_aggregated(self, agg: Aggregated, gen: torch.Generator | None = None) -> torch.Tensor:
+        """(rows, out) outputs from aggregated inputs: dropout on the aggregates, then the dense part."""
+        neigh = _drop(agg.neigh, self.p, gen, self.training)
+        if self.model == "gcn":
+            return self.finish(matmul(neigh, self.conv.lin.weight.t()) + self.conv.bias)
+        own = _drop(agg.own, self.p, gen, self.training)  # type: ignore[arg-type]
+        lin_l, lin_r = self.conv.lin_l, self.conv.lin_r
+        return self.finish(matmul(neigh, lin_l.weight.t()) + lin_l.bias + matmul(own, lin_r.weight.t()))
 
 
 class LayerWithHead(nn.Module):
@@ -98,17 +272,11 @@ class LayerWithHead(nn.Module):
     def __init__(self, block: Block, num_classes: int):
         super().__init__()
         self.block = block
-        self.head = None if block.norm is None else nn.Linear(block.conv.out_channels * _heads(block), num_classes)
+        self.head = None if block.norm is None else nn.Linear(block.out_dim, num_classes)
 
-    def forward(self, x: torch.Tensor, graph: LocalGraph) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (embeddings (n, out_dim), logits (n, classes)); for the last layer both are the logits."""
-        h = self.block(x, graph)
-        return h, (self.head(self.block.dropout(h)) if self.head is not None else h)
-
-
-def _heads(block: Block) -> int:
-    conv = block.conv
-    return conv.heads if isinstance(conv, GATConv) and conv.concat else 1
+    def logits(self, h: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        """(rows, out) block outputs -> (rows, classes); the last layer's outputs are the logits."""
+        return h if self.head is None else self.head(dropout(h, self.block.p, gen, self.training))
 
 
 def layer_dims(in_dim: int, hidden: int, num_classes: int, layers: int) -> list[tuple[int, int]]:
@@ -118,9 +286,10 @@ def layer_dims(in_dim: int, hidden: int, num_classes: int, layers: int) -> list[
 
 
 def build_blocks(model: ModelName, in_dim: int, hidden: int, num_classes: int, layers: int, heads: int,
-                 dropout: float) -> nn.ModuleList:
-    """The full model as a list of blocks (used by standard / centralized / tma / grappa)."""
+                 dropout: float, seed: int = 0) -> nn.ModuleList:
+    """The full model as a list of blocks (standard / centralized / varco / tma / grappa)."""
     dims = layer_dims(in_dim, hidden, num_classes, layers)
-    return nn.ModuleList(
-        Block(model, i, o, heads, dropout, last=(k == layers - 1)) for k, (i, o) in enumerate(dims)
-    )
+    with seeded(seed):
+        return nn.ModuleList(
+            Block(model, i, o, heads, dropout, last=(k == layers - 1)) for k, (i, o) in enumerate(dims)
+        )

@@ -18,7 +18,7 @@ from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.models import build_blocks
 from retexo_core.strategies.endtoend import varco_ratio
-from retexo_core.strategies.isolated import coverage_weights, combine_gradients
+from retexo_core.strategies.isolated import coverage_weights
 from training_helpers import C, F, HIDDEN, K, comm_log, halo_total, params, ring, run_and_kill_a_worker, small_config, train
 
 P = params(build_blocks("gcn", F, HIDDEN, C, 2, 4, 0.0))
@@ -41,13 +41,76 @@ def test_grappa_estimator_without_missing_edges_is_plain_averaging() -> None:
     degree = np.array([3.0, 0.0, 5.0, 1.0])
     for shrinkage in (0.0, 0.3, 1.0):
         np.testing.assert_array_equal(coverage_weights(degree, degree, shrinkage), np.ones(4))
-    # partitions' mean gradients weighted by their weight sums = by their train counts
-    grads, counts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])], [10.0, 30.0]
-    torch.testing.assert_close(combine_gradients(grads, counts), (grads[0] * 10 + grads[1] * 30) / 40)
     # with missing edges the poorly covered node counts less; shrinkage pulls towards uniform
     weights = coverage_weights(np.array([1.0, 4.0]), np.array([4.0, 4.0]), 0.0)
     np.testing.assert_allclose(weights, [0.25, 1.0])
     np.testing.assert_allclose(coverage_weights(np.array([1.0]), np.array([4.0]), 0.5), [0.625])
+
+
+def _grappa_gradient(partition_dir: str, shrinkage: float):
+    """The gradient Grappa's workers sum (their real objective and all-reduce), on K thread ranks."""
+    from pathlib import Path as _Path
+
+    from retexo_core.data import load_part
+    from retexo_core.strategies.common import sync_gradients
+    from retexo_core.strategies.endtoend import new_model
+    from retexo_core.strategies.isolated import grappa_loss, grappa_weights_and_total, isolated_context
+
+    def rank(comm):
+        config = small_config(strategy="grappa", grappa_shrinkage=shrinkage)
+        ctx = isolated_context(comm, load_part(_Path(partition_dir), comm.rank), config)
+        blocks = new_model(ctx)
+        weights, total = grappa_weights_and_total(ctx)
+        grappa_loss(ctx, blocks, weights, total).backward()
+        sync_gradients(comm, blocks)
+        return {name: p.grad.clone() for name, p in blocks.named_parameters()}, blocks.state_dict()
+
+    from dist_helpers import run_threads
+
+    return [result for result, _rows in run_threads(rank, K)]
+
+
+@pytest.mark.parametrize("shrinkage", [0.0, 0.5])
+def test_grappa_workers_sum_the_coverage_corrected_gradient(tiny, shrinkage: float) -> None:
+    """The estimator g = sum_p sum_{v in T_p} w_v grad l_v(G_p) / sum w, computed independently with
+    PyG's GCN on each partition's own subgraph, equals what Grappa's workers sum."""
+    from torch_geometric.nn import GCNConv
+
+    store, dataset, partition = tiny
+    results = _grappa_gradient(str(partition.path), shrinkage)
+    grads, state = results[0][0], results[0][1]
+    for other, _ in results[1:]:
+        for name in grads:
+            torch.testing.assert_close(other[name], grads[name])  # every rank holds the same sum
+    nodes = pd.read_parquet(dataset.path / "nodes.parquet")
+    x = torch.from_numpy(np.stack(pd.read_parquet(dataset.path / "features.parquet")["x"].to_numpy())).float()
+    edges = pd.read_parquet(dataset.path / "edges.parquet")
+    part = pd.read_parquet(partition.path / "assignment.parquet").set_index("node_id")["part"].loc[nodes["node_id"]].to_numpy()
+    src, dst = edges["src"].to_numpy(), edges["dst"].to_numpy()  # ids are 0..N-1
+    inside = part[src] == part[dst]
+    coverage = np.bincount(dst[inside], minlength=len(nodes)) / np.maximum(np.bincount(dst, minlength=len(nodes)), 1)
+    coverage[np.bincount(dst, minlength=len(nodes)) == 0] = 1.0
+    weight = torch.from_numpy((1 - shrinkage) * coverage + shrinkage).float()
+    convs = [GCNConv(F, HIDDEN), GCNConv(HIDDEN, C)]
+    norm = torch.nn.LayerNorm(HIDDEN)
+    convs[0].load_state_dict({"bias": state["0.conv.bias"], "lin.weight": state["0.conv.lin.weight"]})
+    convs[1].load_state_dict({"bias": state["1.conv.bias"], "lin.weight": state["1.conv.lin.weight"]})
+    norm.load_state_dict({"weight": state["0.norm.weight"], "bias": state["0.norm.bias"]})
+    train = torch.from_numpy(nodes["split"].to_numpy() == "train")
+    y = torch.from_numpy(nodes["label"].to_numpy().copy())
+    loss = 0.0
+    for p in range(K):
+        keep = inside & (part[dst] == p)
+        edge_index = torch.from_numpy(np.stack([src[keep], dst[keep]]))
+        logits = convs[1](torch.relu(norm(convs[0](x, edge_index))), edge_index)
+        mine = train & torch.from_numpy(part == p)
+        loss = loss + (torch.nn.functional.cross_entropy(logits[mine], y[mine], reduction="none") * weight[mine]).sum()
+    (loss / weight[train].sum()).backward()
+    reference = {"0.conv.lin.weight": convs[0].lin.weight.grad, "0.conv.bias": convs[0].bias.grad,
+                 "0.norm.weight": norm.weight.grad, "1.conv.lin.weight": convs[1].lin.weight.grad,
+                 "1.conv.bias": convs[1].bias.grad}
+    for name, expected in reference.items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_tma_logged_bytes_equal_the_analytic_count(tiny) -> None:

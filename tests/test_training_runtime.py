@@ -24,9 +24,10 @@ from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import read_embeddings
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
-from retexo_core.launch import free_port
-from retexo_core.training import layer_state, plan_run, run_training, train_layers
-from training_helpers import run_and_kill_a_worker
+from runner.launch import free_port
+from runner.lifecycle import LaunchOptions, launch_layers, run_training
+from runner.plan import layer_state, plan_run
+from training_helpers import IN_PROCESS, run_and_kill_a_worker
 
 N, F, C = 90, 6, 3
 
@@ -58,7 +59,7 @@ def train_on(store: Store, name: str, paths: dict[str, Path], config: TrainConfi
                             TableOptions(undirected=True, num_classes=C), SplitFractions())
     partition = build_partition(store, dataset, PartitionOptions(method="random", parts=3, seed=0))
     plan = plan_run(store, dataset, partition, config, NetworkModel())
-    run_training(plan)
+    run_training(plan, IN_PROCESS)
     return plan
 
 
@@ -99,7 +100,7 @@ def test_workers_open_only_their_own_partition_and_embedding_rows(tmp_path: Path
     audit.mkdir()
     for layer in (1, 2):
         (audit / f"layer{layer}").mkdir()
-        train_layers(plan, [layer], audit_dir=str(audit / f"layer{layer}"))
+        launch_layers(plan, [layer], LaunchOptions(audit_dir=str(audit / f"layer{layer}")))
     for layer in (1, 2):
         for rank in range(3):
             opened = (audit / f"layer{layer}" / f"rank-{rank}.txt").read_text().split()
@@ -167,13 +168,13 @@ def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path
 def test_finished_layers_are_reused_and_only_changed_layers_retrain(tmp_path: Path, tiny_plan_factory) -> None:
     config = TrainConfig(hidden=8, rounds=[3, 2], timeout_s=60)
     plan = tiny_plan_factory(tmp_path, config)
-    _, first = run_training(plan)
+    _, first = run_training(plan, IN_PROCESS)
     assert [p.state for p in first] == ["trained", "trained"]
-    _, again = run_training(plan_run(plan.store, *_refs(plan), config, NetworkModel()))
+    _, again = run_training(plan_run(plan.store, *_refs(plan), config, NetworkModel()), IN_PROCESS)
     assert [p.state for p in again] == ["cached", "cached"]
     changed = plan_run(plan.store, *_refs(plan), config.model_copy(update={"rounds": [3, 4]}), NetworkModel())
     assert changed.run_fp != plan.run_fp
-    _, third = run_training(changed)
+    _, third = run_training(changed, IN_PROCESS)
     assert [p.state for p in third] == ["reused", "trained"]
     assert torch.equal(*(torch.load(plan.store.layer_dir(p.run_fp, 1) / "model.pt")["block.conv.lin.weight"]
                          for p in (plan, changed)))
@@ -181,14 +182,13 @@ def test_finished_layers_are_reused_and_only_changed_layers_retrain(tmp_path: Pa
 
 def test_a_run_killed_after_its_first_layer_resumes_at_the_second(tmp_path: Path, tiny_plan_factory) -> None:
     plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=2, timeout_s=60))
-    train_layers(plan, [1])  # as if the process died while layer 2 was training
+    launch_layers(plan, [1], IN_PROCESS)  # as if the process died while layer 2 was training
     assert [layer_state(plan, l) for l in (1, 2)] == ["done", "pending"]
-    _, progress = run_training(plan)
+    _, progress = run_training(plan, IN_PROCESS)
     assert [p.state for p in progress] == ["cached", "trained"]
 
 
 def _refs(plan):
-    from graphstore.ingest.writer import find_dataset
-    from graphstore.partition.build import PartitionRef
+    from graphstore.lookup import PartitionRef, find_dataset
 
-    return find_dataset(plan.store, plan.dataset_fp), PartitionRef.from_manifest(Path(plan.source_dir))
+    return find_dataset(plan.store, plan.dataset_fp), PartitionRef.at(Path(plan.source_dir))

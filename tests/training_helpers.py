@@ -14,13 +14,16 @@ import torch
 from graphstore.ingest.api import ingest_synthetic
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
-from graphstore.ingest.writer import DatasetRef
 from graphstore.layout import Store
-from graphstore.partition.build import PartitionRef, build_partition
+from graphstore.lookup import DatasetRef, PartitionRef
+from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
-from retexo_core.training import RunPlan, plan_run, run_training
+from runner.lifecycle import LaunchOptions, run_training
+from runner.plan import RunPlan, plan_run
+
+IN_PROCESS = LaunchOptions(launcher="threads")  # ranks as threads: same bytes and results, no spawn
 
 K = 3
 F, C, HIDDEN = 5, 3, 8
@@ -43,8 +46,9 @@ def small_config(**overrides: object) -> TrainConfig:
 
 
 def train(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig) -> RunPlan:
+    """Train (ranks as threads of this process) and return the run's plan."""
     plan = plan_run(store, dataset, partition, config, NetworkModel())
-    run_training(plan)
+    run_training(plan, IN_PROCESS)
     return plan
 
 

@@ -1,7 +1,5 @@
-"""All traffic between workers: the communicator, its byte log, codecs and the network model."""
+"""All traffic between workers: the communicator (``communicator``), its transports (``transport``),
+byte log (``log``), codecs (``codec``, ``sparse_codec``) and the network model (``network``).
 
-from retexo_core.comm.communicator import Communicator
-from retexo_core.comm.log import KINDS, CommLog
-from retexo_core.comm.network import NetworkModel
-
-__all__ = ["Communicator", "CommLog", "KINDS", "NetworkModel"]
+Nothing is imported here, so that the torch-free modules (the network model) load without torch.
+"""

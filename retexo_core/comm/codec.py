@@ -5,11 +5,9 @@ Encoded payloads are uint8 tensors; their length is exactly what the log counts.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Compression = Literal["none", "fp16", "int8"]
+from retexo_core.config import Compression
 
 
 def encoded_nbytes(shape: tuple[int, ...], dtype: torch.dtype, compression: Compression) -> int:

@@ -1,10 +1,13 @@
 """The one communicator every inter-worker byte goes through (DESIGN.md section 5).
 
-Point-to-point traffic uses gloo ``all_to_all_single`` (alltoallv) over uint8 payloads; the all-reduce is a ring
-(reduce-scatter then all-gather, 2(K-1) steps to the right neighbour) implemented with
-``isend``/``irecv``, so what is logged is literally what is sent: ``2(K-1)/K * N`` bytes per worker
-for N bytes. Every send is logged once, by the sender, with kind, layer, epoch, src, dst, bytes.
-All waits have a timeout; a dead peer surfaces as an error naming the rank.
+The communicator encodes tensors into uint8 payloads, counts and logs them; a ``Transport``
+(``retexo_core.comm.transport``) moves the bytes: a gloo process group (one rank per process, the
+default) or a ``ThreadHub`` (K ranks as threads of one process; same bytes, same results, same log).
+Point-to-point traffic is one all-to-all (alltoallv) of uint8 payloads; the all-reduce is a ring
+(reduce-scatter then all-gather, 2(K-1) steps to the right neighbour) of send/receive steps, so
+what is logged is literally what is sent: ``2(K-1)/K * N`` bytes per worker for N bytes. Every send
+is logged once, by the sender, with kind, layer, epoch, src, dst, bytes. All waits have a timeout;
+a dead peer surfaces as an error naming the rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes
 from retexo_core.comm.log import CommLog
 from retexo_core.comm.network import NetworkModel
+from retexo_core.comm.transport import GlooTransport, Transport
 
 COMPRESSIBLE = {"halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync"}
 
@@ -27,10 +31,15 @@ class CommunicationError(RuntimeError):
 
 
 class Communicator:
-    """Byte-counting collectives for one rank of a gloo process group (or a single process).
+    """Byte-counting collectives for one rank of K (or a single process).
+
+    ``transport`` moves the bytes; None means the default gloo process group when ``world > 1``
+    (no transport is needed for a single rank).
 
     Attributes:
         layer, epoch: tags for the log rows of subsequent operations (set by the strategy).
+        members: partition id of each group rank (changes after a ``rejoin``); generation: how
+            many times the group was re-formed.
     """
 
     def __init__(
@@ -40,12 +49,13 @@ class Communicator:
         timeout: timedelta,
         compression: Compression = "none",
         network: NetworkModel | None = None,
+        transport: Transport | None = None,
     ):
         self.rank = rank  # index in the current process group
         self.world = world
         self.members = list(range(world))  # partition id of each group rank (changes after a rejoin)
         self.generation = 0
-        self.rendezvous: dist.Store | None = None  # the launcher's store, for ``rejoin``
+        self.transport: Transport | None = transport if transport is not None or world == 1 else GlooTransport()
         self.timeout = timeout
         self.compression = compression
         self.network = network
@@ -53,8 +63,22 @@ class Communicator:
         self.layer = 0
         self.epoch = -1
 
+    @property
+    def rendezvous(self) -> dist.Store | None:
+        """The launcher's key-value store, for ``rejoin`` (gloo transport only)."""
+        return self.transport.rendezvous if isinstance(self.transport, GlooTransport) else None
+
+    @rendezvous.setter
+    def rendezvous(self, store: dist.Store | None) -> None:
+        if isinstance(self.transport, GlooTransport):
+            self.transport.rendezvous = store
+        elif store is not None:
+            raise ValueError(f"rank {self.log.rank}: a rendezvous store serves only the gloo transport, "
+                             f"not {type(self.transport).__name__}")
+
     # -- helpers --------------------------------------------------------------------------
-    def _codec(self, kind: str) -> Compression:
+    def codec(self, kind: str) -> Compression:
+        """The encoding of traffic of ``kind`` (control traffic is never compressed)."""
         return self.compression if kind in COMPRESSIBLE else "none"
 
     def _finish(self, op: int, kind: str, sent: dict[int, int], hops: int) -> None:
@@ -62,6 +86,19 @@ class Communicator:
             self.log.add(op, self.layer, self.epoch, kind, self.members[dst], nbytes, hops)
         if self.network is not None and self.network.mode == "sleep":
             time.sleep(self.network.seconds(hops, sum(sent.values())))
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise CommunicationError(f"rank {self.log.rank}: {self.world} ranks but no transport")
+        return self.transport
+
+    def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int], kind: str) -> list[torch.Tensor]:
+        """Move uint8 ``payloads[j]`` to rank j; returns what each rank j sent us (``recv_sizes[j]`` B)."""
+        transport = self._transport()
+        try:
+            return transport.all_to_all(payloads, recv_sizes, self.timeout)
+        except RuntimeError as exc:
+            raise self._fail(f"{kind} exchange", exc) from exc
 
     def _fail(self, what: str, exc: Exception) -> CommunicationError:
         return CommunicationError(
@@ -82,7 +119,7 @@ class Communicator:
         Receivers must know the shapes (``recv_shapes[j]``); all tensors share ``dtype``. Empty
         tensors are not logged.
         """
-        codec = self._codec(kind)
+        codec = self.codec(kind)
         op = self.log.new_op()
         if self.world == 1:
             return [torch.empty(0, dtype=dtype)]
@@ -97,12 +134,7 @@ class Communicator:
             encoded_nbytes(shape, dtype, codec) if shape is not None and j != self.rank else 0
             for j, shape in enumerate(recv_shapes)
         ]
-        output = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        try:
-            dist.all_to_all_single(output, torch.cat(payloads), recv_sizes, [p.numel() for p in payloads])
-        except RuntimeError as exc:
-            raise self._fail(f"{kind} exchange", exc) from exc
-        buffers = list(torch.split(output, recv_sizes))
+        buffers = self._all_to_all(payloads, recv_sizes, kind)
         self._finish(op, kind, sent, hops=1)
         return [
             decode(buffers[j], recv_shapes[j], dtype, codec) if recv_shapes[j] is not None and j != self.rank
@@ -126,13 +158,36 @@ class Communicator:
         shapes = [(n, *tail) for n in lengths]
         return self.exchange(send, shapes, send[0].dtype, kind)
 
+    def exchange_bytes(self, payloads: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
+        """All-to-all of raw uint8 payloads whose lengths the receivers do not know.
+
+        ``payloads[j]``: (n_j,) uint8 bytes for rank j (own slot ignored), e.g. a variable-size
+        encoding such as sparse feature rows; never compressed. The lengths go first
+        (``exchange_counts``, ``control``, 8 B to each peer), then the payloads, logged under
+        ``kind`` with their length in bytes (empty payloads are not logged). Returns ``recv[j]``,
+        the (m_j,) uint8 payload from rank j (own slot empty).
+        """
+        for j, payload in enumerate(payloads):
+            if j != self.rank and payload.dtype != torch.uint8:
+                raise ValueError(f"rank {self.log.rank}: exchange_bytes sends uint8 payloads, "
+                                 f"got {payload.dtype} for rank {j}")
+        send = [p.reshape(-1) if j != self.rank else torch.empty(0, dtype=torch.uint8) for j, p in enumerate(payloads)]
+        lengths = self.exchange_counts([int(p.numel()) for p in send])
+        op = self.log.new_op()
+        if self.world == 1:
+            return [torch.empty(0, dtype=torch.uint8)]
+        recv_sizes = [n if j != self.rank else 0 for j, n in enumerate(lengths)]
+        received = self._all_to_all(send, recv_sizes, kind)
+        self._finish(op, kind, {j: p.numel() for j, p in enumerate(send) if p.numel()}, hops=1)
+        return [r if j != self.rank else torch.empty(0, dtype=torch.uint8) for j, r in enumerate(received)]
+
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
         """Sum over ranks by a ring; returns a new tensor, identical on every rank."""
         op = self.log.new_op()
         if self.world == 1:
             return tensor.clone()
-        codec = self._codec(kind)
+        codec = self.codec(kind)
         flat = tensor.detach().reshape(-1).clone()
         chunks = list(torch.tensor_split(flat, self.world))
         right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
@@ -159,40 +214,41 @@ class Communicator:
         return torch.cat(chunks).reshape(tensor.shape).to(tensor.dtype)
 
     def _sendrecv(self, payload: torch.Tensor, right: int, left: int, recv_bytes: int, kind: str) -> torch.Tensor:
-        buffer = torch.empty(recv_bytes, dtype=torch.uint8)
+        transport = self._transport()
         try:
-            requests = []
-            if payload.numel():
-                requests.append(dist.isend(payload, right))
-            if recv_bytes:
-                requests.append(dist.irecv(buffer, left))
-            for request in requests:
-                request.wait(self.timeout)
+            return transport.send_recv(payload, right, left, recv_bytes, self.timeout)
         except RuntimeError as exc:
             raise self._fail(f"{kind} ring all-reduce (peers {left} -> {self.rank} -> {right})", exc) from exc
-        return buffer
 
     def barrier(self) -> None:
         """Synchronise all ranks (a counted 8-byte control all-reduce)."""
         self.all_reduce(torch.zeros(1, dtype=torch.int64), "control")
 
+    def barrier_uncounted(self) -> None:
+        """Wait until every rank arrived: a coordination point with no payload, NOT logged (e.g.
+        every rank has written its files before rank 0 commits). A missing rank is named."""
+        if self.world == 1:
+            return
+        transport = self._transport()
+        try:
+            transport.barrier(self.timeout)
+        except RuntimeError as exc:
+            raise self._fail("barrier", exc) from exc
+
     def rejoin(self) -> None:
         """After a peer died: wait for the launcher to publish the survivors of the next generation
-        (key ``members/<g>``), then form a new process group with them (tolerant strategies only)."""
-        rendezvous = self.rendezvous
-        if rendezvous is None:
+        (key ``members/<g>``), then form a new process group with them (tolerant strategies, gloo
+        transport only)."""
+        transport = self.transport
+        if not isinstance(transport, GlooTransport) or transport.rendezvous is None:
             raise CommunicationError(f"rank {self.log.rank}: cannot rejoin without the launcher's store")
         generation = self.generation + 1
-        key = f"members/{generation}"
         try:
-            rendezvous.wait([key], self.timeout)
+            members = transport.published_members(generation, self.timeout)
         except RuntimeError as exc:
             raise CommunicationError(f"rank {self.log.rank}: no new membership was published ({exc})") from exc
-        members = [int(m) for m in rendezvous.get(key).decode().split(",")]
         if self.log.rank not in members:
             raise CommunicationError(f"rank {self.log.rank} was dropped from the group")
-        dist.destroy_process_group()
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", rendezvous),
-                                rank=members.index(self.log.rank), world_size=len(members), timeout=self.timeout)
+        transport.reform(generation, members.index(self.log.rank), len(members), self.timeout)
         self.generation, self.members = generation, members
         self.rank, self.world = members.index(self.log.rank), len(members)

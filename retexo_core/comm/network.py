@@ -17,9 +17,10 @@ from pydantic import BaseModel, Field
 class NetworkModel(BaseModel):
     """Latency (ms) and bandwidth (Mbit/s) of every worker's link; ``sleep`` really waits."""
 
-    latency_ms: float = Field(10.0, ge=0)
-    bandwidth_mbps: float = Field(100.0, gt=0)
-    mode: Literal["simulate", "sleep"] = "simulate"
+    latency_ms: float = Field(10.0, ge=0, description="Network model: latency per message step (ms).")
+    bandwidth_mbps: float = Field(100.0, gt=0, description="Network model: link bandwidth (Mbit/s).")
+    mode: Literal["simulate", "sleep"] = Field("simulate", description="simulate (compute time from the log) or "
+                                               "sleep (really wait).", json_schema_extra={"cli": "net-mode"})
 
     def seconds(self, hops: int, nbytes: int) -> float:
         """Time of one operation in which the busiest worker sends ``nbytes`` over ``hops`` steps."""

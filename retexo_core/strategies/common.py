@@ -40,6 +40,24 @@ class WorkerContext:
     plans: dict[str, ExchangePlan]
     history: list[dict[str, object]] = field(default_factory=list)
 
+    def generator(self, offset: int = 0) -> torch.Generator:
+        """This rank's own random stream (dropout masks, batches), never the global RNG."""
+        return torch.Generator().manual_seed(self.config.seed * 1000 + offset + 7919 * (self.data.part + 1))
+
+    @property
+    def train_rows(self) -> torch.Tensor:
+        """(t,) positions of this rank's train nodes."""
+        return torch.nonzero(self.data.masks["train"]).flatten()
+
+    @property
+    def eval_rows(self) -> torch.Tensor:
+        """(e,) positions of the labelled nodes of the splits measured during training."""
+        y, masks = self.data.y, self.data.masks
+        keep = torch.zeros_like(y, dtype=torch.bool)
+        for split in self.round_splits:
+            keep |= masks[split] & (y >= 0)
+        return torch.nonzero(keep).flatten()
+
     @property
     def inductive(self) -> bool:
         return self.config.setting == "inductive"
@@ -64,25 +82,32 @@ def make_context(comm: Communicator, data: PartData, config: TrainConfig) -> Wor
     inductive = config.setting == "inductive"
     plan = build_plan(comm, data, inductive)
     train_count = int(comm.all_reduce(torch.tensor([float(data.masks["train"].sum())], dtype=torch.float64), "control")[0])
-    n = data.num_owned
-    full = local_graph(config.model, data.src, data.dst, plan.degree["full"], n)
+    n, sources = data.num_owned, data.num_owned + data.num_halo
+    full = local_graph(config.model, data.src, data.dst, plan.degree["full"], n, sources)
     if not inductive:
         every = full_plan(plan)
         return WorkerContext(comm, data, config, plan, train_count, dict.fromkeys(VIEWS, full), dict.fromkeys(VIEWS, every))
     graphs, plans = {"full": full}, {"full": full_plan(plan)}
     for view in ("train", "val"):
         visible = plan.visible(view)
-        graphs[view] = local_graph(config.model, data.src, data.dst, plan.degree[view], n,
+        graphs[view] = local_graph(config.model, data.src, data.dst, plan.degree[view], n, sources,
                                    visible[data.src] & visible[data.dst])
         plans[view] = view_plan(plan, n, view)
     return WorkerContext(comm, data, config, plan, train_count, graphs, plans)
 
 
-def train_loss(ctx: WorkerContext, logits: torch.Tensor, global_mean: bool) -> torch.Tensor:
+def train_loss(ctx: WorkerContext, logits: torch.Tensor, global_mean: bool,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy over this rank's train nodes, divided by the global train count (so summed
-    gradients are the centralized gradient) or by the local count (local steps)."""
-    mask = ctx.data.masks["train"]
-    total = F.cross_entropy(logits[mask], ctx.data.y[mask], reduction="sum")
+    gradients are the centralized gradient) or by the local count (local steps).
+
+    ``logits``: (n, C) of every owned node, or (len(rows), C) of the train rows ``rows`` only.
+    """
+    if rows is None:
+        mask = ctx.data.masks["train"]
+        total = F.cross_entropy(logits[mask], ctx.data.y[mask], reduction="sum")
+    else:
+        total = F.cross_entropy(logits, ctx.data.y[rows], reduction="sum")
     return total / max(ctx.train_count if global_mean else ctx.local_train, 1)
 
 
@@ -113,13 +138,14 @@ def average_parameters(comm: Communicator, module: nn.Module, weight: float, kin
             offset += p.numel()
 
 
-def split_stats(ctx: WorkerContext, logits: torch.Tensor) -> dict[str, tuple[float, float]]:
+def split_stats(ctx: WorkerContext, logits: torch.Tensor,
+                rows: torch.Tensor | None = None) -> dict[str, tuple[float, float]]:
     """Global (loss, accuracy) of ``ctx.round_splits`` from one all-reduce of 3 numbers per split
-    (control); ``logits`` are the val view's."""
+    (control); ``logits`` are the val view's, of every owned node or of the nodes ``rows``."""
     values = []
-    y = ctx.data.y
+    y = ctx.data.y if rows is None else ctx.data.y[rows]
     for name in ctx.round_splits:
-        mask = ctx.data.masks[name] & (y >= 0)
+        mask = (ctx.data.masks[name] if rows is None else ctx.data.masks[name][rows]) & (y >= 0)
         values += [
             float(F.cross_entropy(logits[mask], y[mask], reduction="sum")) if mask.any() else 0.0,
             float((logits[mask].argmax(1) == y[mask]).sum()),
@@ -144,12 +170,14 @@ def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, tuple[f
 
 def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, total: int,
              val_logits: Callable[[], torch.Tensor], best: "BestState",
-             stats_of: Callable[[torch.Tensor], dict[str, tuple[float, float]]] | None = None) -> None:
-    """One model-selection point: logits of the val view (eval mode), global stats, history, best."""
+             stats_of: Callable[[torch.Tensor], dict[str, tuple[float, float]]] | None = None,
+             rows: torch.Tensor | None = None) -> None:
+    """One model-selection point: logits of the val view (eval mode; of the nodes ``rows`` when
+    given), global stats, history, best."""
     module.eval()
     with torch.no_grad():
         logits = val_logits()
-    stats = (stats_of or (lambda l: split_stats(ctx, l)))(logits)
+    stats = (stats_of or (lambda l: split_stats(ctx, l, rows)))(logits)
     record(ctx, layer, round_, stats, total)
     best.offer(module, stats["val"][1], round_)
 

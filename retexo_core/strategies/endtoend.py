@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan
-from retexo_core.models import LocalGraph, build_blocks, local_graph
+from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
+from retexo_core.models import Features, LocalGraph, build_blocks, local_graph
 from retexo_core.strategies.common import BestState, WorkerContext, sync_gradients, train_loss, validate
 
 
@@ -34,14 +34,14 @@ class EndToEndResult:
     best_val: float
 
 
-def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: torch.Tensor, graph: LocalGraph,
-            plan: ExchangePlan | list[ExchangePlan]) -> list[torch.Tensor]:
+def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
+            plan: ExchangePlan | list[ExchangePlan], gen: torch.Generator | None = None) -> list[torch.Tensor]:
     """Owned outputs of every block; between blocks the halo rows travel through the communicator
     (``plan`` for every exchange, or one plan per exchange: inputs of layers 2..L)."""
     plans = plan if isinstance(plan, list) else [plan] * (len(blocks) - 1)
     outputs, h = [], x_local
     for k, block in enumerate(blocks):
-        out = block(h, graph)
+        out = block(h, graph, gen)
         outputs.append(out)
         if k < len(blocks) - 1:
             h = torch.cat([out, HaloExchange.apply(out, ctx.comm, plans[k], k + 2)])
@@ -74,24 +74,24 @@ def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
     present[n:] = False
     present[n + plan.received] = True
     keep = present[data.src] & ctx.plan.visible("train")[data.dst]
-    return local_graph(ctx.config.model, data.src, data.dst, ctx.plan.degree["train"], n, keep)
+    return local_graph(ctx.config.model, data.src, data.dst, ctx.plan.degree["train"], n, n + data.num_halo, keep)
 
 
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
     cfg = ctx.config
-    torch.manual_seed(cfg.seed * 1000)
-    return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads, cfg.dropout)
+    return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads,
+                        cfg.dropout, cfg.seed * 1000)
 
 
 def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
     cfg, comm, data = ctx.config, ctx.comm, ctx.data
     blocks = new_model(ctx)
-    torch.manual_seed(cfg.seed * 1000 + 7919 * (comm.rank + 1))
+    gen = ctx.generator()
     rng = np.random.default_rng([cfg.seed, comm.rank])
     comm.layer, comm.epoch = 1, -1
     # raw features once, cached (varco uses them for evaluation only); views that lack a node
     # have no edge from it
-    x_local = torch.cat([data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features")])
+    x_local = stack_rows(data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features"))
     x_train = x_local
     optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
     best = BestState()
@@ -101,14 +101,14 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
         if cfg.strategy == "varco":
             features_plan, plan = varco_plans(ctx, epoch, rng)
             comm.layer = 1
-            x_train = torch.cat([data.x, exchange_rows(comm, features_plan, data.x, "halo_features")])
+            x_train = stack_rows(data.x, exchange_rows(comm, features_plan, data.x, "halo_features"))
         elif cfg.bns_rate < 1:
             comm.layer = 0
             plan = sampled_plan(comm, plan, cfg.bns_rate, rng)
             graph = sampled_graph(ctx, plan)
         blocks.train()
         optimizer.zero_grad()
-        outputs = forward(ctx, blocks, x_train, graph, plan)
+        outputs = forward(ctx, blocks, x_train, graph, plan, gen)
         train_loss(ctx, outputs[-1], global_mean=True).backward()
         comm.layer = 0
         sync_gradients(comm, blocks)

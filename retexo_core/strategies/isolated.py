@@ -31,7 +31,6 @@ on the surviving partitions' local graphs.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -41,10 +40,10 @@ from torch import nn
 
 from retexo_core.comm.communicator import Communicator, CommunicationError
 from retexo_core.config import TrainConfig
-from retexo_core.data import PartData, load_part
-from retexo_core.exchange import exchange_rows
+from retexo_core.data import PartData
+from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.halo import VIEWS, VIEW_LEVEL, in_degree, node_levels
-from retexo_core.models import LocalGraph, local_graph
+from retexo_core.models import Features, LocalGraph, local_graph
 from retexo_core.strategies.common import (
     BestState,
     WorkerContext,
@@ -69,24 +68,26 @@ def isolated_context(comm: Communicator, data: PartData, config: TrainConfig) ->
         keep = own.copy()
         keep[own] = visible[data.src[own]] & visible[data.dst[own]]
         degree = torch.from_numpy(in_degree(n + data.num_halo, data.src, data.dst, keep))
-        graphs[view] = local_graph(config.model, data.src, data.dst, degree, n, keep)
+        graphs[view] = local_graph(config.model, data.src, data.dst, degree, n, keep=keep)
     if config.setting == "transductive":
         graphs = dict.fromkeys(VIEWS, graphs["full"])
     local_train = int(data.masks["train"].sum())
     return WorkerContext(comm, data, config, None, local_train, graphs, {})  # type: ignore[arg-type]
 
 
-def local_outputs(blocks: nn.ModuleList, x: torch.Tensor, graph: LocalGraph) -> list[torch.Tensor]:
+def local_outputs(blocks: nn.ModuleList, x: Features, graph: LocalGraph,
+                  gen: torch.Generator | None = None) -> list[torch.Tensor]:
     """Every block's outputs on a local graph without halo rows."""
     outputs, h = [], x
     for block in blocks:
-        h = block(h, graph)
+        h = block(h, graph, gen)
         outputs.append(h)
     return outputs
 
 
-def local_forward(blocks: nn.ModuleList, x: torch.Tensor, graph: LocalGraph) -> torch.Tensor:
-    return local_outputs(blocks, x, graph)[-1]
+def local_forward(blocks: nn.ModuleList, x: Features, graph: LocalGraph,
+                  gen: torch.Generator | None = None) -> torch.Tensor:
+    return local_outputs(blocks, x, graph, gen)[-1]
 
 
 def coverage_weights(local_degree: np.ndarray, global_degree: np.ndarray, shrinkage: float) -> np.ndarray:
@@ -94,13 +95,6 @@ def coverage_weights(local_degree: np.ndarray, global_degree: np.ndarray, shrink
     coverage = np.divide(local_degree, global_degree, out=np.ones_like(local_degree, dtype=np.float64),
                          where=global_degree > 0)
     return (1.0 - shrinkage) * coverage + shrinkage
-
-
-def combine_gradients(gradients: list[torch.Tensor], weight_sums: list[float]) -> torch.Tensor:
-    """The estimator's value from per-partition pieces: sum_p (sum_v w_v grad l_v) / sum_p sum_v w_v,
-    where ``gradients[p]`` is partition p's weighted *mean* gradient (divided by its own weight sum)."""
-    total = sum(weight_sums)
-    return sum(g * (w / total) for g, w in zip(gradients, weight_sums))  # type: ignore[return-value]
 
 
 def tolerant(ctx: WorkerContext, operation: Callable[[], T]) -> T:
@@ -117,7 +111,7 @@ def tolerant(ctx: WorkerContext, operation: Callable[[], T]) -> T:
 def train_tma(ctx: WorkerContext) -> EndToEndResult:
     cfg, comm, data = ctx.config, ctx.comm, ctx.data
     blocks = new_model(ctx)
-    torch.manual_seed(cfg.seed * 1000 + 7919 * (comm.rank + 1))
+    gen = ctx.generator()
     optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
     mask, best = data.masks["train"], BestState()
     last_aggregation = time.monotonic()
@@ -126,7 +120,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
         comm.epoch = epoch
         blocks.train()
         optimizer.zero_grad()
-        logits = local_forward(blocks, data.x, ctx.graphs["train"])
+        logits = local_forward(blocks, data.x, ctx.graphs["train"], gen)
         (F.cross_entropy(logits[mask], data.y[mask], reduction="sum") / max(ctx.local_train, 1)).backward()
         optimizer.step()
         if cfg.agg_every_seconds is None:
@@ -168,11 +162,28 @@ def grappa_weights(ctx: WorkerContext) -> torch.Tensor:
     return torch.from_numpy(coverage_weights(local_degree, global_degree, ctx.config.grappa_shrinkage)).float()
 
 
-def train_grappa(ctx: WorkerContext, refresh_dirs: list[str]) -> EndToEndResult:
+def grappa_weights_and_total(ctx: WorkerContext) -> tuple[torch.Tensor, float]:
+    """((n,) w_v, the sum of w over every rank's train nodes) (one all-reduce of the local sum, control)."""
+    weights = grappa_weights(ctx)
+    local = torch.tensor([float(weights[ctx.data.masks["train"]].sum())], dtype=torch.float64)
+    total = ctx.comm.all_reduce(local, "control")
+    return weights, max(float(total[0]), 1e-12)
+
+
+def grappa_loss(ctx: WorkerContext, blocks: nn.ModuleList, weights: torch.Tensor, total: float,
+                gen: torch.Generator | None = None) -> torch.Tensor:
+    """This rank's share of Grappa's objective, sum over its train nodes of w_v l_v(theta; G_p) over
+    the global weight total; the gradient all-reduce sums the shares into the estimator."""
+    data, mask = ctx.data, ctx.data.masks["train"]
+    logits = local_forward(blocks, data.x, ctx.graphs["train"], gen)
+    return (F.cross_entropy(logits[mask], data.y[mask], reduction="none") * weights[mask]).sum() / total
+
+
+def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) -> EndToEndResult:
+    """``load_refresh(period)``: this rank's part of the partitioning of refresh period 1, 2, ..."""
     cfg, comm = ctx.config, ctx.comm
-    base = ctx.data
     blocks = new_model(ctx)
-    torch.manual_seed(cfg.seed * 1000 + 7919 * (comm.rank + 1))
+    gen = ctx.generator()
     optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
     best = BestState()
     comm.layer = 0
@@ -181,19 +192,14 @@ def train_grappa(ctx: WorkerContext, refresh_dirs: list[str]) -> EndToEndResult:
         if epoch % cfg.grappa_refresh_every == 0:
             period = epoch // cfg.grappa_refresh_every
             if period > 0:
-                refreshed = isolated_context(comm, load_part(Path(refresh_dirs[period - 1]), base.part), cfg)
+                refreshed = isolated_context(comm, load_refresh(period), cfg)
                 refreshed.history = ctx.history
                 ctx = refreshed
-            weights = grappa_weights(ctx)
-            mask = ctx.data.masks["train"]
-            weight_sum = comm.all_reduce(torch.tensor([float(weights[mask].sum())], dtype=torch.float64), "control")
-            normaliser = max(float(weight_sum[0]), 1e-12)
+            weights, total = grappa_weights_and_total(ctx)
         data = ctx.data
         blocks.train()
         optimizer.zero_grad()
-        logits = local_forward(blocks, data.x, ctx.graphs["train"])
-        losses = F.cross_entropy(logits[mask], data.y[mask], reduction="none")
-        ((losses * weights[mask]).sum() / normaliser).backward()
+        grappa_loss(ctx, blocks, weights, total, gen).backward()
         sync_gradients(comm, blocks)
         optimizer.step()
         if (epoch + 1) % cfg.eval_every and epoch != cfg.epochs - 1:
@@ -215,7 +221,7 @@ def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerC
         return ctx, {v: computed.get(v, computed["full"]) for v in VIEWS}
     comm.layer = 1
     full = make_context(comm, data, ctx.config)
-    x_local = torch.cat([data.x, exchange_rows(comm, full.plans["full"], data.x, "halo_features")])
+    x_local = stack_rows(data.x, exchange_rows(comm, full.plans["full"], data.x, "halo_features"))
     with torch.no_grad():
         computed = {v: forward(full, blocks, x_local, full.graphs[v], full.plans[v]) for v in full.views}
     return full, {v: computed.get(v, computed["full"]) for v in VIEWS}

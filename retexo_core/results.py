@@ -1,0 +1,43 @@
+"""What the training core writes its results through: a small interface the run lifecycle hands
+to every rank (``runner.results.RunFolder`` stores them in the store's run folder).
+
+Each rank writes its own rows of a layer (embeddings per view, its communication log); once every
+rank has written (an uncounted barrier), rank 0 commits the layer with the model, the training
+curves, the evaluation and a summary. A rank reads back only its own rows of earlier layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+
+@dataclass
+class LayerSummary:
+    """Rank 0's account of a finished layer (or, end-to-end, of the model the layer belongs to)."""
+
+    layer: int
+    best_round: int  # round (epoch) whose parameters were kept
+    best_val: float  # their validation accuracy
+    rounds: int  # rounds (epochs) trained
+    seconds: float  # wall time of the training that produced it
+    dropped_parts: list[int] = field(default_factory=list)  # tma: partitions lost on the way
+
+
+class ResultSink(Protocol):
+    def previous_outputs(self, layer: int, part: int, node_id: np.ndarray) -> dict[str, np.ndarray]:
+        """This part's rows of layer ``layer``'s outputs per view (``full``; ``train``/``val`` when
+        stored), (n, d) float32 each, in ``node_id`` order."""
+
+    def write_part(self, layer: int, part: int, node_id: np.ndarray, outputs: dict[str, np.ndarray],
+                   comm: pa.Table) -> None:
+        """Store this part's rows of layer ``layer`` (views as above) and what this rank sent."""
+
+    def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
+                     evaluation: list[dict[str, Any]] | None) -> None:
+        """Rank 0, after every rank wrote its part: model parameters, curves, evaluation; the layer
+        becomes visible to readers at once and completely."""

@@ -1,0 +1,128 @@
+"""What one rank does in one launch: train the launch's layers and hand the results to the sink.
+
+Layer-wise strategies (retexo, centralized layer-wise) train layer after layer in the same process
+group: each layer's halo exchange, training, and its outputs written and committed before the next
+layer starts from those outputs in memory. End-to-end strategies train the whole model once and
+write every layer. The halo setup protocol runs once per launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+import torch
+
+from retexo_core.comm.communicator import Communicator
+from retexo_core.config import TrainConfig
+from retexo_core.data import PartData
+from retexo_core.halo import VIEWS
+from retexo_core.results import LayerSummary, ResultSink
+from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
+from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
+from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
+from retexo_core.strategies.retexo import Views, gather_inputs, train_layer
+
+log = logging.getLogger("retexo.worker")
+HISTORY_SCHEMA = pa.schema([
+    ("layer", pa.int64()), ("round", pa.int64()), ("split", pa.string()), ("loss", pa.float64()), ("acc", pa.float64()),
+])
+
+
+def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers: list[int], sink: ResultSink,
+                 load_refresh: Callable[[int], PartData]) -> None:
+    """Train ``layers`` (consecutive; all of them for end-to-end strategies) as this rank.
+
+    ``load_refresh(period)``: grappa's partition of refresh period 1, 2, ... for this rank.
+    """
+    comm.layer = layers[0] if config.is_layerwise else 0
+    isolated = config.strategy in ("tma", "grappa")
+    ctx = isolated_context(comm, data, config) if isolated else make_context(comm, data, config)
+    log.info("%s %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
+             config.strategy, config.model, data.num_owned, data.num_halo, len(data.src),
+             ctx.local_train, ctx.train_count, layers)
+    if config.is_layerwise:
+        run_layerwise(ctx, layers, sink)
+    else:
+        run_end_to_end(ctx, layers, sink, load_refresh)
+
+
+def history_table(ctx: WorkerContext, layer: int | None) -> pa.Table:
+    rows = [r for r in ctx.history if layer is None or r["layer"] == layer]
+    return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
+
+
+def own_inputs(ctx: WorkerContext, layer: int, sink: ResultSink) -> Views:
+    """Inputs of ``layer`` for the owned nodes per view: raw features, or this rank's rows of the
+    previous layer's outputs (``full``, and ``train`` / ``val`` when inductive)."""
+    if layer == 1:
+        return dict.fromkeys(VIEWS, ctx.data.x)
+    views = sink.previous_outputs(layer - 1, ctx.data.part, ctx.data.node_id)
+    full = torch.from_numpy(views["full"])
+    return {v: torch.from_numpy(views[v]) if v in views else full for v in VIEWS}
+
+
+def stored_views(ctx: WorkerContext, outputs: dict[str, torch.Tensor]) -> dict[str, object]:
+    """The views written for a layer: the full view, plus train / val when inductive."""
+    return {v: outputs[v].numpy() for v in (VIEWS if ctx.inductive else ("full",))}
+
+
+def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
+    """This rank's log rows from ``start`` on, and the next start."""
+    return ctx.comm.log.to_table().slice(start), len(ctx.comm.log.rows)
+
+
+def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> None:
+    rank, cfg = ctx.data.part, ctx.config
+    own = own_inputs(ctx, layers[0], sink)
+    log_start = 0
+    for layer in layers:
+        started = time.perf_counter()
+        result = train_layer(ctx, layer, gather_inputs(ctx, layer, own))
+        evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
+        rows, log_start = new_log_rows(ctx, log_start)
+        sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
+        ctx.comm.barrier_uncounted()  # every rank has written its part
+        if ctx.comm.rank == 0:
+            summary = LayerSummary(layer, result.best_round, result.best_val, cfg.layer_rounds(layer),
+                                   time.perf_counter() - started)
+            sink.commit_layer(summary, result.module.state_dict(), history_table(ctx, layer), evaluation)
+        log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far",
+                 layer, result.best_round, result.best_val, ctx.comm.log.total_bytes())
+        own = result.outputs  # type: ignore[assignment]
+
+
+def train_whole_model(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) -> tuple[WorkerContext, EndToEndResult]:
+    """Train with an end-to-end strategy; returns the context the final evaluation runs in."""
+    strategy = ctx.config.strategy
+    if strategy not in ("tma", "grappa"):
+        return ctx, train_end_to_end(ctx)
+    result = train_tma(ctx) if strategy == "tma" else train_grappa(ctx, load_refresh)
+    eval_ctx, result.outputs = evaluate_outputs(ctx, result.blocks)
+    eval_ctx.history = ctx.history
+    return eval_ctx, result
+
+
+def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
+                   load_refresh: Callable[[int], PartData]) -> None:
+    part, cfg = ctx.data.part, ctx.config
+    started = time.perf_counter()
+    ctx, result = train_whole_model(ctx, load_refresh)
+    evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
+    rows, _ = new_log_rows(ctx, 0)
+    for layer in layers:
+        outputs = {v: per_layer[layer - 1] for v, per_layer in result.outputs.items()}
+        sink.write_part(layer, part, ctx.data.node_id, stored_views(ctx, outputs),
+                        rows if layer == layers[-1] else rows.slice(0, 0))  # type: ignore[arg-type]
+    ctx.comm.barrier_uncounted()
+    if ctx.comm.rank != 0:
+        return
+    seconds = time.perf_counter() - started
+    dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
+    for layer in layers:
+        last = layer == layers[-1]
+        summary = LayerSummary(layer, result.best_round, result.best_val, cfg.epochs, seconds if last else 0.0, dropped)
+        sink.commit_layer(summary, result.blocks[layer - 1].state_dict(),
+                          history_table(ctx, None) if last else None, evaluation if last else None)

@@ -1,0 +1,58 @@
+"""Finalising a run: collect its layers' byte logs, curves and evaluation into the run folder and
+write the run manifest last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from graphstore.atomic import atomic_write_file, writer_lock
+from graphstore.errors import StoreError
+from graphstore.layout import MANIFEST, is_complete
+from graphstore.manifests import LayerManifest, LayerRef, RunManifest, manifest_json, read_manifest
+from graphstore.parquet_io import COMPRESSION
+from retexo_core.comm.network import bytes_by_kind, simulated_seconds, total_bytes
+from runner.plan import CODE_VERSION, RunPlan, run_label
+
+
+def read_concat(paths: list[Path]) -> pa.Table:
+    tables = [pq.read_table(p) for p in paths]
+    return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=COMPRESSION)
+    return sink.getvalue().to_pybytes()
+
+
+def finalize_run(plan: RunPlan) -> RunManifest:
+    """Write ``comm``, ``metrics`` and ``evaluation`` of the whole run, then its manifest."""
+    store, run_dir, cfg = plan.store, plan.store.run_dir(plan.run_fp), plan.config
+    layer_dirs = [plan.layer_dir(l) for l in plan.layers]
+    missing = [d.name for d in layer_dirs if not is_complete(d)]
+    if missing:
+        raise StoreError(f"run {plan.run_fp} cannot be finalised: missing {', '.join(missing)}")
+    comm = read_concat(sorted(p for d in layer_dirs for p in d.glob("part=*/comm.parquet")))
+    metrics = read_concat([d / "metrics.parquet" for d in layer_dirs if (d / "metrics.parquet").is_file()])
+    evaluation = pq.read_table(layer_dirs[-1] / "evaluation.parquet")
+    layers = [read_manifest(d, LayerManifest) for d in layer_dirs]
+    rows = evaluation.to_pylist()
+    accuracy = {r["split"]: r["accuracy"] for r in rows}
+    manifest = RunManifest(
+        fp=plan.run_fp, dataset=plan.dataset_fp, dataset_name=plan.dataset_name, partition=plan.partition_fp,
+        method=plan.partition_method, parts=plan.world, strategy=cfg.strategy, model=cfg.model,
+        setting=cfg.setting, label=run_label(cfg), config=cfg.run_payload(), network=plan.network.model_dump(),
+        test_acc=accuracy.get("test"), val_acc=accuracy.get("val"), train_acc=accuracy.get("train"),
+        evaluation=rows, total_bytes=total_bytes(comm), bytes_by_kind=bytes_by_kind(comm),
+        sim_comm_s=round(simulated_seconds(comm, plan.network)[0], 6), wall_s=round(sum(m.seconds for m in layers), 3),
+        layers=[LayerRef(layer=m.layer, fp=m.fp, reused_from=m.reused_from) for m in layers],
+        code_version=CODE_VERSION,
+    )
+    with writer_lock(store, run_dir):
+        for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):
+            atomic_write_file(store, run_dir / name, parquet_bytes(table))
+        atomic_write_file(store, run_dir / MANIFEST, manifest_json(manifest).encode())
+    return manifest

@@ -1,0 +1,233 @@
+"""The run lifecycle: bring every layer of a run into the store, then finalise it.
+
+A finished layer is never retrained: it is skipped in the same run (``cached``), or hard-linked
+from another run with the same layer fingerprint (``reused``). The layers from the first one that
+is missing to the last are trained in ONE launch of the process group (``trained``), each committed
+as it finishes, so a run killed during layer 2 resumes at layer 2. End-to-end strategies produce
+all layers in one launch. Run events (started, completed, failed) go to the run's history.
+
+Every entry point calls this module: ``retexo train``, ``retexo worker`` (one node of several),
+the Prefect train task and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphstore.atomic import writer_lock
+from graphstore.catalog import refresh_catalog
+from graphstore.errors import RetexoError, StoreError
+from graphstore.history import record_run_event
+from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
+from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_layer, find_partition, layer_fp_of
+from graphstore.manifests import RunManifest, read_manifest
+from graphstore.partition.build import build_partition
+from graphstore.partition.methods import PartitionOptions
+from graphstore.runs import link_layer
+from runner.finalize import finalize_run
+from runner.launch import Launcher, WorkerFailed, default_threads, free_port, node_ranks, run_workers
+from runner.plan import RunPlan, layer_state
+from runner.results import StageSpec
+from runner.worker import WorkerJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where this process's ranks run: one node of ``nnodes`` (torchrun's contract), as processes,
+    or as threads of this process (one node only; for tests and tiny runs)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, retried once if it was taken meanwhile
+    launcher: Launcher = "processes"
+    audit_dir: str | None = None  # record the files each rank opens (residency audit)
+    attempts: int = 2
+
+
+@dataclass
+class LayerProgress:
+    layer: int
+    state: str  # trained | reused | cached
+    seconds: float
+
+
+OnLayer = Callable[[LayerProgress], None]
+
+
+def invalidate_run(plan: RunPlan) -> None:
+    """A layer of the run is about to change: its run-level summary no longer holds."""
+    manifest = plan.store.run_dir(plan.run_fp) / MANIFEST
+    with writer_lock(plan.store, manifest.parent):
+        manifest.unlink(missing_ok=True)
+
+
+def reuse_layer(plan: RunPlan, layer: int) -> None:
+    """Hard-link the finished layer with the same fingerprint from another run into this one."""
+    invalidate_run(plan)
+    source = find_layer(plan.store, layer, plan.layer_fps[layer])
+    if source is None:
+        raise StoreError(f"no finished layer {layer} with fingerprint {plan.layer_fps[layer]} to reuse")
+    target = plan.layer_dir(layer)
+    if target.exists() and not is_complete(target):
+        shutil.rmtree(target)
+    link_layer(plan.store, source, target, plan.run_fp)
+
+
+def refresh_partitions(plan: RunPlan) -> tuple[str, ...]:
+    """grappa: the partitions of refresh periods 1, 2, ... (same method, next seeds), built into the
+    store before the launch so that workers load them like any partition."""
+    cfg = plan.config
+    if cfg.strategy != "grappa":
+        return ()
+    source = PartitionRef.at(Path(plan.source_dir))
+    options = PartitionOptions(**source.manifest.options_payload())
+    dataset = find_dataset(plan.store, plan.dataset_fp)
+    periods = -(-cfg.epochs // cfg.grappa_refresh_every)
+    return tuple(str(build_partition(plan.store, dataset, options.model_copy(update={"seed": options.seed + k})).path)
+                 for k in range(1, periods))
+
+
+def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_layer: OnLayer | None = None) -> None:
+    """One launch of the process group that trains ``layers`` (consecutive) of the run.
+
+    Node 0 holds the writer locks of the layer folders; every node runs its block of ranks.
+    ``on_layer`` hears of each layer as soon as it is committed. A port clash ("address already in
+    use") is retried on a fresh port when the port was chosen here.
+    """
+    store, host = plan.store, launch.node_rank == 0
+    ranks = node_ranks(plan.world, launch.nnodes, launch.node_rank)
+    if host:
+        invalidate_run(plan)
+    refresh = refresh_partitions(plan) if host or plan.config.strategy == "grappa" else ()
+    reported: set[int] = set()
+    last = [time.perf_counter()]
+
+    def watch() -> None:
+        for layer in layers:
+            if layer not in reported and layer_fp_of(plan.layer_dir(layer)) == plan.layer_fps[layer]:
+                reported.add(layer)
+                now = time.perf_counter()
+                if on_layer is not None:
+                    on_layer(LayerProgress(layer, "trained", now - last[0]))
+                last[0] = now
+
+    for attempt in range(launch.attempts):
+        address = launch.master_addr if launch.master_addr != "localhost" else "127.0.0.1"
+        port = launch.master_port or free_port(address)
+        stages = tuple(StageSpec(layer=l, fp=plan.layer_fps[l], target=str(plan.layer_dir(l)),
+                                 temp=str(plan.layer_dir(l).parent / f"{TMP_PREFIX}layer={l}-{port}"))
+                       for l in layers)
+        with ExitStack() as locks, tempfile.TemporaryDirectory(prefix="retexo-errors-") as error_dir:
+            if host:
+                for stage in stages:
+                    locks.enter_context(writer_lock(store, Path(stage.target)))
+                    target = Path(stage.target)
+                    if target.exists() and layer_fp_of(target) != stage.fp:
+                        shutil.rmtree(target)  # a stale layer of an older code version, or incomplete
+                    Path(stage.temp).mkdir(parents=True, exist_ok=True)
+            job = WorkerJob(
+                store_root=str(store.root), run_fp=plan.run_fp, source_dir=plan.source_dir,
+                whole_graph=plan.whole_graph, config=plan.config, network=plan.network, stages=stages,
+                world=plan.world, error_dir=error_dir, master_addr=launch.master_addr, master_port=port,
+                threads=default_threads(len(ranks)), audit_dir=launch.audit_dir, refresh_dirs=refresh,
+            )
+            try:
+                dropped = run_workers(job, ranks, host=host, launcher=launch.launcher, watch=watch)
+                if dropped:
+                    log.warning("ranks %s failed and were dropped; the run went on without them", dropped)
+                return
+            except WorkerFailed as exc:
+                clash = "address already in use" in str(exc).lower() and launch.master_port is None
+                if not clash or attempt == launch.attempts - 1:
+                    raise
+                log.warning("port %d was taken, retrying on a fresh port", port)
+            finally:
+                if host:
+                    for stage in stages:
+                        shutil.rmtree(stage.temp, ignore_errors=True)
+
+
+def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
+                  on_layer: OnLayer | None = None) -> list[LayerProgress]:
+    """Bring every layer of the run into the store: cached layers are skipped, reusable ones
+    linked (node 0), and the rest trained in one launch."""
+    states = {l: layer_state(plan, l) for l in plan.layers}
+    pending = [l for l in plan.layers if states[l] == "pending"]
+    if not plan.config.is_layerwise and pending:
+        pending = plan.layers
+    first = pending[0] if pending else plan.layers[-1] + 1
+    progress: list[LayerProgress] = []
+
+    def report(item: LayerProgress) -> None:
+        progress.append(item)
+        if on_layer is not None:
+            on_layer(item)
+
+    for layer in plan.layers:
+        if layer >= first:
+            break
+        started = time.perf_counter()
+        if states[layer] == "reusable" and launch.node_rank == 0:
+            reuse_layer(plan, layer)
+        report(LayerProgress(layer, "reused" if states[layer] == "reusable" else "cached",
+                             time.perf_counter() - started))
+    if pending:
+        launch_layers(plan, plan.layers[first - 1:], launch, report)
+    return progress
+
+
+def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
+                 on_layer: OnLayer | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
+    """Train (or reuse) every layer, then finalise the run (node 0; other nodes return None)."""
+    host = launch.node_rank == 0
+    run_dir = plan.store.run_dir(plan.run_fp)
+    if host and is_complete(run_dir) and all(layer_state(plan, l) == "done" for l in plan.layers):
+        return read_manifest(run_dir, RunManifest), [LayerProgress(l, "cached", 0.0) for l in plan.layers]
+    if host:
+        record_run_event(plan.store, plan.run_fp, "started", plan.config.strategy)
+    try:
+        progress = ensure_layers(plan, launch, on_layer)
+        if not host:
+            return None, progress
+        summary = finalize_run(plan)
+    except BaseException as exc:
+        if host:
+            event = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            record_run_event(plan.store, plan.run_fp, event, str(exc)[:500])
+        raise
+    record_run_event(plan.store, plan.run_fp, "completed", f"test_acc={summary.test_acc}")
+    refresh_catalog(plan.store)
+    return summary, progress
+
+
+def training_sources(store: Store, dataset: str, options: PartitionOptions, strategy: str,
+                     launch: LaunchOptions, wait_s: float) -> tuple[DatasetRef, PartitionRef | None]:
+    """The dataset and the partition a run trains on. Node 0 builds the partition when it is missing;
+    the other nodes of a multi-node launch wait (up to ``wait_s``) for it to appear in the shared store."""
+    if strategy == "centralized":
+        return find_dataset(store, dataset), None
+    if launch.node_rank == 0:
+        ref = find_dataset(store, dataset)
+        return ref, build_partition(store, ref, options)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            ref = find_dataset(store, dataset)
+            found = find_partition(store, ref, options)
+        except RetexoError:
+            found = None
+        if found is not None:
+            return ref, found
+        if time.monotonic() > deadline:
+            raise RetexoError(f"partition of {dataset} did not appear in {store.root} within {wait_s:.0f} s")
+        time.sleep(0.5)

@@ -1,0 +1,98 @@
+"""A run's plan: its fingerprint, its layers' fingerprints, and where its inputs are.
+
+A run is ``runs/run=<rfp>/``; its layers are folders ``layer=<l>/`` keyed (in their manifests) by a
+layer fingerprint = source (partition or dataset) fp + the options of layers 1..l + the code
+version of ``retexo_core``. End-to-end strategies produce all layers in one launch; their layer
+fingerprint covers the whole configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from graphstore.errors import RetexoError
+from graphstore.fingerprint import fingerprint, tree_digest
+from graphstore.layout import Store
+from graphstore.lookup import DatasetRef, PartitionRef, find_layer, layer_fp_of
+from retexo_core.comm.network import NetworkModel
+from retexo_core.config import TrainConfig
+
+CODE_VERSION = tree_digest(Path(__file__).resolve().parents[1] / "retexo_core")[:16]
+LayerState = Literal["done", "reusable", "pending"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything needed to train and finalise one run (small and picklable)."""
+
+    store_root: str
+    run_fp: str
+    dataset_name: str
+    dataset_fp: str
+    partition_fp: str | None
+    partition_method: str | None
+    source_dir: str  # the partition folder, or the dataset folder for centralized runs
+    whole_graph: bool
+    world: int
+    config: TrainConfig
+    network: NetworkModel
+    layer_fps: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def store(self) -> Store:
+        return Store(Path(self.store_root))
+
+    @property
+    def layers(self) -> list[int]:
+        return list(range(1, self.config.layers + 1))
+
+    def layer_dir(self, layer: int) -> Path:
+        return self.store.layer_dir(self.run_fp, layer)
+
+
+def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig,
+             network: NetworkModel) -> RunPlan:
+    """Fingerprints of the run and of each layer; centralized runs read the whole dataset."""
+    whole = config.strategy == "centralized"
+    if not whole and partition is None:
+        raise RetexoError(f"strategy {config.strategy} needs a partition")
+    source_fp = dataset.fp if whole else partition.fp  # type: ignore[union-attr]
+    run_fp = fingerprint({"code": CODE_VERSION, "source": source_fp, "config": config.run_payload()})
+    if config.is_layerwise:
+        layer_fps = {l: fingerprint({"code": CODE_VERSION, "source": source_fp, "layer": l, **config.layer_payload(l)})
+                     for l in range(1, config.layers + 1)}
+    else:
+        layer_fps = {l: fingerprint({"run": run_fp, "layer": l}) for l in range(1, config.layers + 1)}
+    return RunPlan(
+        store_root=str(store.root), run_fp=run_fp, dataset_name=dataset.name, dataset_fp=dataset.fp,
+        partition_fp=None if whole else partition.fp,  # type: ignore[union-attr]
+        partition_method=None if whole else partition.method,  # type: ignore[union-attr]
+        source_dir=str(dataset.path if whole else partition.path),  # type: ignore[union-attr]
+        whole_graph=whole, world=1 if whole else partition.parts,  # type: ignore[union-attr]
+        config=config, network=network, layer_fps=layer_fps,
+    )
+
+
+def layer_state(plan: RunPlan, layer: int) -> LayerState:
+    """``done`` (in this run), ``reusable`` (finished in another run with the same fingerprint) or ``pending``."""
+    if layer_fp_of(plan.layer_dir(layer)) == plan.layer_fps[layer]:
+        return "done"
+    if plan.config.is_layerwise and find_layer(plan.store, layer, plan.layer_fps[layer]) is not None:
+        return "reusable"
+    return "pending"
+
+
+def run_label(config: TrainConfig) -> str:
+    """A short human name for plots and tables, e.g. ``retexo(avg/5,int8)`` or ``bns(0.1)``."""
+    if config.strategy == "standard" and config.bns_rate < 1:
+        return f"bns({config.bns_rate:g})"
+    extras = []
+    if config.strategy == "retexo" and config.sync == "avg":
+        extras.append(f"avg/{config.sync_every}")
+    if config.compress != "none":
+        extras.append(config.compress)
+    if config.strategy == "centralized" and config.layerwise:
+        extras.append("layerwise")
+    return config.strategy + (f"({','.join(extras)})" if extras else "")

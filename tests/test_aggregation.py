@@ -1,0 +1,136 @@
+"""Aggregate once per layer: the frozen aggregates give the per-round conv's outputs, sparse features
+give the dense features' outputs, and sparse halo rows arrive exactly with their bytes logged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+from dist_helpers import run_threads
+from retexo_core.comm.sparse_codec import encoded_rows_nbytes
+from retexo_core.data import load_part
+from retexo_core.models import seeded
+from retexo_core.sparse import SparseMatrix
+from retexo_core.strategies.common import make_context
+from retexo_core.strategies.retexo import LayerInputs, gather_inputs, new_layer
+from training_helpers import K, small_config
+
+VIEWS = ("train", "val", "full")
+
+
+def _layer_outputs(partition_dir: str, model: str, setting: str, sparse: bool):
+    """Per rank: layer-1 outputs per view from the aggregates, from the per-round propagation, from
+    PyG's conv on the same local graph; the halo rows received and this rank's log rows."""
+
+    def rank(comm):
+        data = load_part(Path(partition_dir), comm.rank)
+        if sparse:
+            data.x = SparseMatrix.from_dense(data.x)
+        config = small_config(model=model, setting=setting)
+        ctx = make_context(comm, data, config)
+        start = len(comm.log.rows)
+        inputs = gather_inputs(ctx, 1, dict.fromkeys(VIEWS, data.x))
+        exchanged = comm.log.rows[start:]
+        module = new_layer(ctx, 1, data.x.shape[1])
+        module.eval()
+        prepared = LayerInputs(ctx, module.block, inputs)
+        out = {}
+        with torch.no_grad():
+            for view in VIEWS:
+                x_local = inputs[view].to_dense() if sparse else inputs[view]
+                graph = ctx.graphs[view]
+                rows, cols = graph.adj.row_index(), graph.adj.col
+                reference = module.block.finish(
+                    _pyg(module.block.conv, model, x_local, cols, rows, graph.adj.val, graph.num_owned))
+                out[view] = (prepared.outputs(view), module.block(inputs[view], graph), reference)
+        halo = inputs["full"].to_dense()[data.num_owned:] if sparse else inputs["full"][data.num_owned:]
+        return out, halo, exchanged, data
+
+    return [result for result, _ in run_threads(rank, K)]
+
+
+def _pyg(conv, model: str, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, weight: torch.Tensor,
+         n: int) -> torch.Tensor:
+    """PyG's own conv on the local graph (rows [0, n) exact)."""
+    with seeded(0):  # ranks are threads: build modules under the lock that keeps initialisation seeded
+        if model == "gcn":
+            reference = GCNConv(conv.in_channels, conv.out_channels, normalize=False)
+        elif model == "sage":
+            reference = SAGEConv(conv.in_channels, conv.out_channels, aggr="mean")
+        else:
+            reference = GATConv(conv.in_channels, conv.out_channels, heads=conv.heads, concat=conv.concat)
+    reference.load_state_dict(conv.state_dict())
+    if model == "gcn":
+        return reference(x, torch.stack([src, dst]), weight)[:n]
+    return reference(x, torch.stack([src, dst]))[:n]
+
+
+@pytest.mark.parametrize("setting", ["transductive", "inductive"])
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_aggregating_once_gives_the_per_round_conv_outputs(tiny, model: str, setting: str) -> None:
+    _, _, partition = tiny
+    for out, _, _, _ in _layer_outputs(str(partition.path), model, setting, sparse=False):
+        for view in VIEWS:
+            aggregated, per_round, pyg = out[view]
+            torch.testing.assert_close(aggregated, per_round, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(aggregated, pyg, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
+def test_the_block_propagation_equals_pyg_conv(tiny, model: str) -> None:
+    _, _, partition = tiny
+
+    def rank(comm):
+        data = load_part(Path(partition.path), comm.rank)
+        ctx = make_context(comm, data, small_config(model=model, heads=2))
+        inputs = gather_inputs(ctx, 1, dict.fromkeys(VIEWS, data.x))
+        module = new_layer(ctx, 1, data.x.shape[1])
+        graph = ctx.graphs["full"]
+        with torch.no_grad():
+            ours = module.block.propagate(inputs["full"], graph)
+            pyg = _pyg(module.block.conv, model, inputs["full"], graph.adj.col, graph.adj.row_index(),
+                       graph.adj.val, graph.num_owned)
+        return ours, pyg
+
+    for (ours, pyg), _ in run_threads(rank, K):
+        torch.testing.assert_close(ours, pyg, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_sparse_features_give_the_dense_layer1_outputs_and_travel_sparse(tiny, model: str) -> None:
+    _, _, partition = tiny
+    dense = _layer_outputs(str(partition.path), model, "transductive", sparse=False)
+    sparse = _layer_outputs(str(partition.path), model, "transductive", sparse=True)
+    for (out_d, halo_d, rows_d, _), (out_s, halo_s, rows_s, _) in zip(dense, sparse):
+        torch.testing.assert_close(halo_s, halo_d, rtol=0, atol=0)  # the sparse encoding round-trips exactly
+        for view in VIEWS:
+            torch.testing.assert_close(out_s[view][0], out_d[view][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out_s[view][1], out_d[view][1], rtol=1e-5, atol=1e-5)
+        # the features crossed in the sparse encoding: fewer bytes than dense rows, plus the
+        # payload sizes (8 B to each peer, control)
+        sparse_bytes = sum(r[6] for r in rows_s if r[3] == "halo_features")
+        dense_bytes = sum(r[6] for r in rows_d if r[3] == "halo_features")
+        assert 0 < sparse_bytes and sum(r[6] for r in rows_s if r[3] == "control") == 8 * (K - 1)
+        assert len(halo_d) == 0 or dense_bytes > 0
+
+
+def test_sparse_halo_bytes_equal_the_encoded_rows(tiny) -> None:
+    """Each sparse feature message logs exactly the bytes of its encoded rows."""
+    _, _, partition = tiny
+
+    def rank(comm):
+        data = load_part(Path(partition.path), comm.rank)
+        data.x = SparseMatrix.from_dense(data.x)
+        ctx = make_context(comm, data, small_config())
+        start = len(comm.log.rows)
+        gather_inputs(ctx, 1, dict.fromkeys(VIEWS, data.x))
+        expected = {j: encoded_rows_nbytes(data.x.select_rows(torch.from_numpy(idx)), "none")
+                    for j, idx in enumerate(ctx.plans["full"].send_index) if j != comm.rank and len(idx)}
+        logged = {r[5]: r[6] for r in comm.log.rows[start:] if r[3] == "halo_features"}
+        return expected, logged
+
+    for (expected, logged), _ in run_threads(rank, K):
+        assert logged == expected
