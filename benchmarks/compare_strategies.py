@@ -20,7 +20,8 @@ from common import cora, dense_sbm, measure, print_rows
 from graphstore.layout import Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
-from graphstore.report import plot_accuracy_vs_bytes, run_manifest
+from graphstore.lookup import completed_run
+from graphstore.report import plot_accuracy_vs_bytes
 from retexo_core.comm.network import NetworkModel
 
 NETWORKS = {
@@ -52,7 +53,7 @@ def compare(title: str, store: Store, dataset, parts: int, rounds: int, plot: Pa
     rows = [measure(store, dataset, partitions[method], label, NETWORKS, model="gcn", **options)
             for label, method, options in strategies(rounds)]
     print_rows(title, rows, list(NETWORKS))
-    runs = [{**run_manifest(store, row["run"]), "label": row["strategy"]} for row in rows]
+    runs = [completed_run(store, row["run"]).model_copy(update={"label": row["strategy"]}) for row in rows]
     plot.write_bytes(plot_accuracy_vs_bytes(runs, "", title))
     print(f"plot: {plot}")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from retexo_core.launch import free_port
+from runner.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

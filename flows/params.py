@@ -37,13 +37,12 @@ class PartitionParams(BaseModel):
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
 
 
-class RunParams(BaseModel):
-    """``train_flow`` / ``evaluate_flow``: one training run over a stored, partitioned dataset."""
+class TrainingParams(BaseModel):
+    """How to partition and train (shared by ``RunParams`` and ``PipelineParams``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     store: str | None = StoreField
-    dataset: str
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
     train: TrainConfig = Field(default_factory=TrainConfig)
     network: NetworkModel = Field(default_factory=NetworkModel)
@@ -51,23 +50,21 @@ class RunParams(BaseModel):
     retry_delay_s: float = Field(5.0, ge=0)
 
 
-class PipelineParams(BaseModel):
+class RunParams(TrainingParams):
+    """``train_flow``: one training run over a stored dataset (name = newest version, or fingerprint)."""
+
+    dataset: str
+
+
+class PipelineParams(TrainingParams):
     """The whole job: dataset -> partition -> train -> evaluate (a preset in ``configs/``).
 
     With ``preset`` (a YAML file, relative to the working directory) the preset is loaded first
     and the other fields given here override it, key by key.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     preset: str | None = None
-    store: str | None = StoreField
     dataset: DatasetSpec | None = Field(None, description="Required, here or in the preset")
-    partition: PartitionOptions = Field(default_factory=PartitionOptions)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    network: NetworkModel = Field(default_factory=NetworkModel)
-    retries: int = Field(1, ge=0, description="Retries of a failed training task (resumes from the store)")
-    retry_delay_s: float = Field(5.0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -84,8 +81,7 @@ class PipelineParams(BaseModel):
         return self
 
     def run_params(self, dataset: str) -> RunParams:
-        return RunParams(store=self.store, dataset=dataset, partition=self.partition, train=self.train,
-                         network=self.network, retries=self.retries, retry_delay_s=self.retry_delay_s)
+        return RunParams(dataset=dataset, **self.model_dump(include=set(TrainingParams.model_fields)))
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from graphstore.ingest.spec import DatasetSpec, ingest_source
 from graphstore.layout import Store
 
 
-@task(name="ingest")
+@task(name="ingest", cache_policy=NO_CACHE)
 def ingest_task(store_root: str, spec: DatasetSpec) -> dict[str, object]:
     """Unchanged sources are a no-op in the store and are reported as cached."""
     ref = ingest_source(Store.open(store_root), spec)

@@ -1,31 +1,27 @@
-"""Partition a stored dataset; cached by the partition fingerprint while the artefact exists."""
+"""Partition a stored dataset; ``cached`` when the partition with this fingerprint is in the store."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
-from graphstore.ingest.writer import find_dataset
-from graphstore.layout import Store, is_complete
-from graphstore.partition.build import build_partition, partition_fingerprint
+from graphstore.catalog import refresh_catalog
+from graphstore.layout import Store
+from graphstore.lookup import find_dataset, find_partition
+from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
-from tasks.caching import store_key
 
 
-def partition_cache_key(_context: Any, args: dict[str, Any]) -> str:
-    return store_key(args["store_root"], "partition", partition_fingerprint(args["dataset_fp"], args["options"]))
-
-
-def partition_stored(store_root: str, dataset_fp: str, options: PartitionOptions) -> bool:
-    store = Store.open(store_root)
-    return is_complete(store.partition_dir(dataset_fp, partition_fingerprint(dataset_fp, options)))
-
-
-@task(name="partition", cache_key_fn=partition_cache_key, persist_result=True)
+@task(name="partition", cache_policy=NO_CACHE)
 def partition_task(store_root: str, dataset_fp: str, options: PartitionOptions) -> dict[str, object]:
     store = Store.open(store_root)
-    ref = build_partition(store, find_dataset(store, dataset_fp), options)
+    dataset = find_dataset(store, dataset_fp)
+    ref = find_partition(store, dataset, options)
+    stage = "cached" if ref is not None else "done"
+    if ref is None:
+        ref = build_partition(store, dataset, options)
+        refresh_catalog(store)
     get_run_logger().info("partition %s: %s into %d parts, edge cut %d, halo %d (%s)", ref.fp, ref.method,
-                          ref.parts, ref.edge_cut, ref.halo_total, "written" if ref.created else "already stored")
-    return {"fp": ref.fp, "method": ref.method, "parts": ref.parts, "edge_cut": ref.edge_cut, "halo_total": ref.halo_total}
+                          ref.parts, ref.edge_cut, ref.halo_total, stage)
+    return {"fp": ref.fp, "method": ref.method, "parts": ref.parts, "edge_cut": ref.edge_cut,
+            "halo_total": ref.halo_total, "stage": stage}

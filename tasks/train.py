@@ -1,25 +1,21 @@
-"""Training tasks. One task owns a whole process group: for ``retexo`` a task per layer, for the
-other strategies one task for the whole model. Cached by the layer fingerprint while the layer is
-complete in this run; a retried task resumes from the store."""
+"""Training and reporting tasks. One task owns a whole run: every pending layer is trained in one
+launch of the process group (the lifecycle in ``runner.lifecycle``), and the flow hears of each
+layer as it is committed (a progress artifact and a log line per layer). A retried task resumes
+from the store at the first unfinished layer."""
 
 from __future__ import annotations
 
-from typing import Any
+import base64
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
 
-from retexo_core.training import RunPlan, layer_state, reuse_layer, train_layers
-from retexo_core.worker import log_path
-from tasks.caching import store_key
-
-
-def layers_cache_key(_context: Any, args: dict[str, Any]) -> str:
-    plan: RunPlan = args["plan"]
-    return store_key(plan.store_root, f"layers-{plan.run_fp}", "-".join(plan.layer_fps[l] for l in args["layers"]))
-
-
-def layers_stored(plan: RunPlan, layers: list[int]) -> bool:
-    return all(layer_state(plan, layer) == "done" for layer in layers)
+from graphstore.layout import is_complete
+from graphstore.report import write_report
+from runner.lifecycle import LayerProgress, run_training
+from runner.plan import RunPlan, layer_state
+from runner.worker import log_path
 
 
 def forward_worker_logs(plan: RunPlan, offsets: dict[int, int]) -> None:
@@ -34,22 +30,48 @@ def forward_worker_logs(plan: RunPlan, offsets: dict[int, int]) -> None:
                     logger.info("[worker] %s", line)
 
 
-@task(name="train-layers", cache_key_fn=layers_cache_key, persist_result=True)
-def train_layers_task(plan: RunPlan, layers: list[int]) -> dict[str, object]:
-    """Produce ``layers`` of the run: reuse them from another run when possible, else train."""
+@task(name="train", cache_policy=NO_CACHE)
+def train_task(plan: RunPlan) -> dict[str, object]:
+    """Bring every layer of the run into the store and finalise the run.
+
+    Returns the run fingerprint, each layer's status (trained, reused, cached) and the
+    evaluation stage's status (done, or cached when the run was already complete).
+    """
     logger = get_run_logger()
-    if layers_stored(plan, layers):
-        logger.info("layers %s are already in the store", layers)
-        return {"layers": layers, "status": "cached"}
-    if plan.config.is_layerwise and len(layers) == 1 and layer_state(plan, layers[0]) == "reusable":
-        reuse_layer(plan, layers[0])
-        logger.info("layer %d reused from an earlier run with the same layer fingerprint", layers[0])
-        return {"layers": layers, "status": "reused"}
+    already = is_complete(plan.store.run_dir(plan.run_fp)) and all(layer_state(plan, l) == "done" for l in plan.layers)
+    progress_id = create_progress_artifact(0.0, key=f"train-progress-{plan.run_fp}",
+                                           description=f"layers finished of run {plan.run_fp}")
+
+    def on_layer(item: LayerProgress) -> None:
+        update_progress_artifact(progress_id, 100.0 * item.layer / plan.config.layers)
+        logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
+
     offsets = {r: log_path(plan.store_root, plan.run_fp, r).stat().st_size
                for r in range(plan.world) if log_path(plan.store_root, plan.run_fp, r).is_file()}
-    logger.info("training layers %s of run %s on %d workers", layers, plan.run_fp, plan.world)
     try:
-        train_layers(plan, layers)
+        summary, progress = run_training(plan, on_layer=on_layer)
     finally:
         forward_worker_logs(plan, offsets)
-    return {"layers": layers, "status": "trained"}
+    assert summary is not None
+    logger.info("run %s: test accuracy %.4f, %d bytes", plan.run_fp, summary.accuracy("test"), summary.total_bytes)
+    return {"run": plan.run_fp, "layers": {p.layer: p.state for p in progress},
+            "evaluate": "cached" if already else "done", "test_acc": summary.test_acc,
+            "total_bytes": summary.total_bytes}
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def report_task(plan: RunPlan) -> dict[str, object]:
+    """Markdown report (with the accuracy-vs-bytes plot inline) and a metrics table artifact."""
+    report = write_report(plan.store, plan.run_fp)
+    image = base64.b64encode(report.plot_path.read_bytes()).decode()
+    markdown = report.markdown.replace("(accuracy_vs_bytes.png)", f"(data:image/png;base64,{image})")
+    create_markdown_artifact(markdown, key=f"run-report-{plan.run_fp}", description=f"run {plan.run_fp}")
+    m = report.manifest
+    create_table_artifact(
+        [{"run": plan.run_fp, "dataset": m.dataset_name, "strategy": m.label, "model": m.model,
+          "parts": m.parts, "split": r["split"], "accuracy": r["accuracy"], "macro_f1": r["macro_f1"],
+          "total_bytes": m.total_bytes, "sim_comm_s": m.sim_comm_s} for r in m.evaluation],
+        key=f"run-metrics-{plan.run_fp}", description="metrics per split",
+    )
+    get_run_logger().info("report written to %s (plot %s)", report.report_path, report.plot_path)
+    return {"report": str(report.report_path), "plot": str(report.plot_path)}

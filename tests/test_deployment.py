@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import REPO
-from retexo_core.launch import free_port
+from runner.launch import free_port
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 

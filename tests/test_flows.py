@@ -27,15 +27,22 @@ def prefect_server() -> Iterator[None]:
         yield
 
 
-def params(store: Path, **train: object) -> PipelineParams:
+def params(store: Path, network: dict[str, object] | None = None, **train: object) -> PipelineParams:
     return PipelineParams.model_validate({
         "store": str(store),
         "dataset": {"name": "sbm", "source": "synthetic",
                     "synthetic": {"nodes": 200, "avg_degree": 6, "classes": 3, "features": 8, "seed": 0}},
         "partition": {"method": "random", "parts": 2},
         "train": {"hidden": 8, "rounds": [3, 3], "timeout_s": 60, **train},
+        "network": network or {},
         "retries": 0,
     })
+
+
+# Layer 2 of these runs really waits 5 ms per message step (the network model's sleep mode; the
+# network is not part of the run's fingerprint), so that it lasts several seconds and a worker can
+# be killed while it trains.
+SLOW = {"mode": "sleep", "latency_ms": 5, "bandwidth_mbps": 1000}
 
 
 def run(p: PipelineParams) -> dict[str, object]:
@@ -80,26 +87,26 @@ def test_deleting_an_artefact_makes_its_stage_run_again(tmp_path: Path) -> None:
     assert (store / "runs" / f"run={first['run']}" / "layer=2" / "manifest.json").is_file()
 
 
-def is_new_worker(process: psutil.Process, since: float) -> bool:
+def is_worker(process: psutil.Process) -> bool:
     try:
-        return "spawn_main" in " ".join(process.cmdline()) and process.create_time() > since - 0.5
+        return "spawn_main" in " ".join(process.cmdline()) and process.is_running()
     except psutil.Error:  # exited meanwhile (zombie or gone)
         return False
 
 
 def kill_a_worker_of_layer(store: Path, layer: int, done: threading.Event) -> None:
-    """Once layer ``layer - 1`` is committed, kill one spawned worker of the next launch."""
+    """Once layer ``layer - 1`` is committed, kill one worker of the launch (one launch trains every
+    pending layer, so the workers of layer ``layer`` are the ones that just committed the layer before)."""
     me = psutil.Process()
     deadline = time.monotonic() + 300
     while not list(store.glob(f"runs/run=*/layer={layer - 1}/manifest.json")):
         if time.monotonic() > deadline:
             return
         time.sleep(0.1)
-    committed = time.time()
     while time.monotonic() < deadline:
-        workers = [c for c in me.children(recursive=True) if is_new_worker(c, committed)]
+        workers = [c for c in me.children(recursive=True) if is_worker(c)]
         if len(workers) >= 2:
-            time.sleep(3)
+            time.sleep(0.5)
             workers[-1].kill()
             done.set()
             return
@@ -112,7 +119,7 @@ def test_a_failed_run_resumes_at_the_first_unfinished_layer(tmp_path: Path) -> N
     killer = threading.Thread(target=kill_a_worker_of_layer, args=(store, 2, killed), daemon=True)
     killer.start()
     with pytest.raises(Exception, match="killed by signal 9"):
-        run(params(store, rounds=[3, 400]))
+        run(params(store, SLOW, rounds=[3, 400]))
     assert killed.is_set()
     resumed = run(params(store, rounds=[3, 400]))
     assert resumed["stages"]["layer 1"] == "cached" and resumed["stages"]["layer 2"] == "trained"
@@ -122,7 +129,7 @@ def test_a_task_retry_resumes_from_the_store(tmp_path: Path) -> None:
     store = tmp_path / "store"
     killed = threading.Event()
     threading.Thread(target=kill_a_worker_of_layer, args=(store, 2, killed), daemon=True).start()
-    p = params(store, rounds=[3, 400]).model_copy(update={"retries": 1, "retry_delay_s": 0})
+    p = params(store, SLOW, rounds=[3, 400]).model_copy(update={"retries": 1, "retry_delay_s": 0})
     result = run(p)
     assert killed.is_set()
     assert result["stages"]["layer 2"] == "trained"

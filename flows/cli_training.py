@@ -1,0 +1,127 @@
+"""The training commands of the ``retexo`` CLI: ``train``, ``worker`` (one node of several) and
+``run`` (the Prefect pipeline). Their options come from the models that declare them:
+``TrainConfig``, ``PartitionOptions`` (prefixed ``--partition-``, but ``--parts``) and
+``NetworkModel``; the training core and Prefect are imported only when a command runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from flows.cli import StoreOption, open_store
+from flows.console import err, human_bytes, out, print_table
+from flows.options import OptionGroup, collect, with_options
+from graphstore.partition.methods import PartitionOptions
+from retexo_core.comm.network import NetworkModel
+from retexo_core.config import TrainConfig
+
+if TYPE_CHECKING:
+    from graphstore.manifests import RunManifest
+    from runner.lifecycle import LayerProgress
+
+TRAIN = OptionGroup("train", TrainConfig)
+PARTITION = OptionGroup("partition", PartitionOptions, prefix="partition-", unprefixed=frozenset({"parts"}))
+NETWORK = OptionGroup("network", NetworkModel)
+
+
+def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -> None:
+    m = summary
+    title = (f"run {m.fp}: {m.label} {m.model} on {m.dataset_name} "
+             f"({m.parts} parts, {m.method or 'whole graph'}, {m.setting})")
+    if progress:
+        print_table(title, ["layer", "status", "seconds"], [[p.layer, p.state, round(p.seconds, 2)] for p in progress])
+    else:
+        out.print(title)
+    print_table("evaluation", ["split", "accuracy", "macro_f1", "roc_auc", "nodes"],
+                [[r["split"], r["accuracy"], r["macro_f1"], r["roc_auc"], r["nodes"]] for r in m.evaluation])
+    rows = [[kind, human_bytes(b), b] for kind, b in sorted(m.bytes_by_kind.items())]
+    rows.append(["total", human_bytes(m.total_bytes), m.total_bytes])
+    print_table("bytes on the wire", ["kind", "size", "bytes"], rows)
+    net = m.network
+    print_table("time", ["measure", "seconds"], [
+        [f"simulated communication ({net['bandwidth_mbps']:g} Mbit/s, {net['latency_ms']:g} ms)", round(m.sim_comm_s, 3)],
+        ["training (inside workers, all layers)", round(m.wall_s, 3)],
+        ["wall time of this command", round(wall, 3)],
+    ])
+
+
+def train_cmd(
+    dataset: Annotated[str, typer.Argument(help="Dataset name (newest version) or fingerprint.")],
+    store: StoreOption = None,
+    **options: Any,
+) -> None:
+    """Train a GNN over the partitions and print accuracy, bytes by kind, simulated and wall time."""
+    from runner.lifecycle import LaunchOptions, run_training, training_sources
+    from runner.plan import plan_run
+
+    started = time.perf_counter()
+    st = open_store(store)
+    config = collect(TRAIN, options)
+    ref, partition = training_sources(st, dataset, collect(PARTITION, options), config.strategy, LaunchOptions(), 0)
+    plan = plan_run(st, ref, partition, config, collect(NETWORK, options))
+    summary, progress = run_training(plan)
+    show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
+
+
+def worker_cmd(
+    config: Annotated[Path, typer.Argument(help="YAML preset (dataset / partition / train / network); the dataset must be in the store.")],
+    nnodes: Annotated[int, typer.Option(help="Number of machines taking part (torchrun --nnodes).")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This machine's index, 0..nnodes-1 (node 0 builds the partition and finalises).")] = 0,
+    master_addr: Annotated[str, typer.Option(help="Address of the rank-0 machine; 127.0.0.1 binds to loopback only.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(help="Free TCP port on the master, the same on every node.")] = 29500,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.rounds=50.")] = None,
+    store: StoreOption = None,
+) -> None:
+    """Run this machine's share of the partition workers of one training run (all pending layers
+    in one process group). Every machine sees the same store (e.g. a shared file system)."""
+    from flows.params import load_params
+    from runner.launch import node_ranks
+    from runner.lifecycle import LaunchOptions, run_training, training_sources
+    from runner.plan import plan_run
+
+    started = time.perf_counter()
+    st = open_store(store)
+    params = load_params(config, set_)
+    launch = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]
+                                          launch, params.train.timeout_s)
+    plan = plan_run(st, dataset, partition, params.train, params.network)
+    ranks = node_ranks(plan.world, nnodes, node_rank)
+    err.print(f"node {node_rank}: running ranks {ranks} of run {plan.run_fp}")
+    summary, progress = run_training(plan, launch)
+    if summary is None:
+        err.print(f"node {node_rank}: ranks {ranks} finished")
+        return
+    show_run(summary, progress, time.perf_counter() - started)
+
+
+def run_cmd(
+    config: Annotated[Path, typer.Argument(help="YAML preset (see configs/): dataset, partition, train, network.")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a key, e.g. --set train.rounds=50 (repeatable).")] = None,
+    store: StoreOption = None,
+) -> None:
+    """Run the whole pipeline as a Prefect flow: ingest -> partition -> train -> evaluate -> report.
+    Stages whose output is already in the store are reported as cached."""
+    from flows.params import load_params
+    from graphstore.manifests import RunManifest, read_manifest
+
+    started = time.perf_counter()
+    params = load_params(config, set_)
+    if store is not None:
+        params = params.model_copy(update={"store": str(store)})
+    from flows.pipeline import pipeline_flow  # Prefect is imported only when a flow runs
+
+    result = pipeline_flow(params)
+    print_table("stages", ["stage", "status"], list(result["stages"].items()))
+    st = open_store(params.store)
+    show_run(read_manifest(st.run_dir(result["run"]), RunManifest), [], time.perf_counter() - started)
+    out.print(f"report: {result['report']}\nplot:   {result['plot']}")
+
+
+def register_training_commands(app: typer.Typer) -> None:
+    app.command("train")(with_options(TRAIN, PARTITION, NETWORK)(train_cmd))
+    app.command("worker")(worker_cmd)
+    app.command("run")(run_cmd)
