@@ -52,6 +52,7 @@ class DatasetManifest(Manifest):
     self_loops: int = 0
     duplicates_removed: int = 0
     feature_format: Literal["dense", "sparse"] = "dense"
+    features_nonnegative: bool = False  # no negative value (counts, TF-IDF): rows may be normalised
 
 
 class PartitionManifest(Manifest):
@@ -75,6 +76,7 @@ class PartitionManifest(Manifest):
     num_features: int
     num_classes: int
     feature_format: Literal["dense", "sparse"] = "dense"
+    features_nonnegative: bool = False
     assign_seconds: float = 0.0
     seconds: float = 0.0
     stats: list[dict[str, Any]] = []

@@ -189,6 +189,13 @@ def _flat_values(column: pa.ChunkedArray) -> np.ndarray:
     return flat.to_numpy() if len(flat) else np.empty(0)
 
 
+def features_nonnegative(table: pa.Table) -> bool:
+    """True when no feature value of ``table`` (either layout) is negative (e.g. counts, TF-IDF)."""
+    column = table.column(DENSE_COLUMN if feature_format_of(table.column_names) == "dense" else SPARSE_COLUMNS[1])
+    smallest = pc.min(pc.list_flatten(column)).as_py()
+    return smallest is None or smallest >= 0
+
+
 def take_feature_rows(table: pa.Table, rows: np.ndarray) -> dict[str, pa.ChunkedArray | pa.Array]:
     """The feature columns (either layout) of ``rows`` (positions, in the given order), as columns
     for another table; sparse rows stay sparse."""

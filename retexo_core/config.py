@@ -46,6 +46,9 @@ class TrainConfig(BaseModel):
     model: ModelName = option("gcn", "gcn | sage | gat.", scope="layer")
     setting: Literal["transductive", "inductive"] = option(
         "transductive", "transductive | inductive (val/test nodes and their edges unseen in training).", scope="layer")
+    normalize_features: Literal["auto", "rows", "none"] = option(
+        "auto", "Feature preprocessing: rows (each node's features divided by their sum), none, or auto (rows "
+        "when the dataset's features are all non-negative, e.g. bag-of-words counts).", scope="layer")
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
@@ -69,7 +72,7 @@ class TrainConfig(BaseModel):
                                    "int8.", scope="layer")
     bns_rate: float = option(1.0, "standard: fraction of boundary nodes sampled per epoch (BNS-GCN).", scope="run",
                              strategies=("standard",), gt=0, le=1)
-    eval_every: int = option(1, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
+    eval_every: int = option(5, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
                              "parameters with the best validation accuracy are kept.", scope="layer", ge=1)
     layerwise: bool = option(False, "centralized: train layer by layer like Retexo.", scope="layer",
                              strategies=("centralized",))

@@ -39,6 +39,8 @@ class PartData:
         halo_id, halo_owner: (h,) int64 remote nodes this partition needs, grouped by owner.
         src, dst: (E,) int64 local positions (src in [0, n + h), dst in [0, n)).
         num_classes: number of classes.
+        features_nonnegative: no feature value of the dataset is negative (counts, TF-IDF), as
+            recorded at ingest for the whole dataset, so every partition decides alike.
     """
 
     part: int
@@ -52,6 +54,7 @@ class PartData:
     src: np.ndarray
     dst: np.ndarray
     num_classes: int
+    features_nonnegative: bool = False
 
     @property
     def num_owned(self) -> int:
@@ -91,6 +94,7 @@ def load_part(partition_dir: Path, part: int) -> PartData:
         src=local_positions(node_id, halo_id, edges.column("src").to_numpy()),
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
         num_classes=meta.num_classes,
+        features_nonnegative=meta.features_nonnegative,
     )
 
 
@@ -100,6 +104,17 @@ def feature_tensor(table: pa.Table, width: int) -> torch.Tensor | SparseMatrix:
     if isinstance(x, np.ndarray):
         return torch.from_numpy(x)
     return SparseMatrix.from_scipy(x)
+
+
+def normalize_rows(x: torch.Tensor | SparseMatrix) -> torch.Tensor | SparseMatrix:
+    """Each row divided by its sum (rows summing to 0 unchanged): bag-of-words counts become term
+    frequencies, so that long and short documents weigh alike (Kipf & Welling's preprocessing)."""
+    if isinstance(x, SparseMatrix):
+        sums = torch.zeros(x.shape[0], dtype=x.val.dtype).index_add_(0, x.row_index(), x.val)
+        sums[sums == 0] = 1
+        return x.with_values(x.val / sums[x.row_index()])
+    sums = x.sum(dim=1, keepdim=True)
+    return x / torch.where(sums == 0, torch.ones_like(sums), sums)
 
 
 def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -133,4 +148,5 @@ def load_whole_graph(dataset_dir: Path) -> PartData:
         src=np.searchsorted(node_id, edges.column("src").to_numpy()),
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
         num_classes=manifest.num_classes,
+        features_nonnegative=manifest.features_nonnegative,
     )

@@ -8,6 +8,7 @@ write every layer. The halo setup protocol runs once per launch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 
 from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
-from retexo_core.data import PartData
+from retexo_core.data import PartData, normalize_rows
 from retexo_core.halo import VIEWS
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
@@ -38,6 +39,7 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     ``load_refresh(period)``: grappa's partition of refresh period 1, 2, ... for this rank.
     """
     comm.layer = layers[0] if config.is_layerwise else 0
+    data = prepare_features(data, config)
     isolated = config.strategy in ("tma", "grappa")
     ctx = isolated_context(comm, data, config) if isolated else make_context(comm, data, config)
     log.info("%s %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
@@ -46,7 +48,14 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     if config.is_layerwise:
         run_layerwise(ctx, layers, sink)
     else:
-        run_end_to_end(ctx, layers, sink, load_refresh)
+        run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config))
+
+
+def prepare_features(data: PartData, config: TrainConfig) -> PartData:
+    """The partition with its features preprocessed as ``config.normalize_features`` says (each rank
+    its own rows; halo rows arrive preprocessed by their owner)."""
+    rows = config.normalize_features == "rows" or (config.normalize_features == "auto" and data.features_nonnegative)
+    return dataclasses.replace(data, x=normalize_rows(data.x)) if rows else data
 
 
 def history_table(ctx: WorkerContext, layer: int | None) -> pa.Table:

@@ -1,7 +1,8 @@
 """Starting the ranks of one launch and watching them: fail fast and name the rank to blame.
 
 ``processes`` (the default): this node's ranks are spawned processes of a gloo process group, with
-the rendezvous hosted by node 0's launcher. ``threads``: all ranks are threads of this process
+the rendezvous hosted by rank 0, or by node 0's launcher when a tolerant strategy must be able to
+re-form the group after losing a rank (then the store must outlive any rank). ``threads``: all ranks are threads of this process
 talking through an in-process transport with the same byte accounting (for tests and tiny runs;
 single node only). Either way the launcher polls its ranks; as soon as one fails it gives the
 others a short grace period to report, stops the rest and raises ``WorkerFailed`` naming the rank
@@ -117,8 +118,8 @@ def lean_main() -> Iterator[None]:
 
 
 def rendezvous_store(job: WorkerJob):  # -> torch.distributed.TCPStore
-    """The key-value store the process group forms through, hosted by node 0's launcher (so it
-    outlives any worker and can publish the survivors when a tolerant strategy loses one)."""
+    """The key-value store the process group forms through, hosted by node 0's launcher for tolerant
+    strategies (so it outlives any worker and can publish the survivors when one is lost)."""
     import torch.distributed as dist
 
     try:
@@ -183,13 +184,14 @@ def run_workers(job: WorkerJob, ranks: list[int], host: bool = True, launcher: L
                 watch: Callable[[], None] | None = None, poll_seconds: float = 0.1) -> list[int]:
     """Run ``ranks`` of ``job`` and wait; raise ``WorkerFailed`` if any rank fails.
 
-    ``host``: this node's launcher hosts the rendezvous store (node 0, processes only).
+    ``host``: this is node 0's launcher, which hosts the rendezvous store when the job says so.
     ``watch`` is called at every poll (e.g. to report layers as they are committed). With
     ``config.tolerate_failures`` a failed rank is dropped instead: the survivors' membership is
     published and the run goes on; returns the dropped ranks.
     """
     Path(job.error_dir).mkdir(parents=True, exist_ok=True)
-    store = rendezvous_store(job) if host and launcher == "processes" and job.world > 1 else None
+    hosting = host and launcher == "processes" and job.world > 1 and job.launcher_hosts_rendezvous
+    store = rendezvous_store(job) if hosting else None
     tolerate = job.config.tolerate_failures and store is not None
     dropped: list[int] = []
     generation = 0

@@ -140,6 +140,7 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
                 whole_graph=plan.whole_graph, config=plan.config, network=plan.network, stages=stages,
                 world=plan.world, error_dir=error_dir, master_addr=launch.master_addr, master_port=port,
                 threads=default_threads(len(ranks)), audit_dir=launch.audit_dir, refresh_dirs=refresh,
+                launcher_hosts_rendezvous=plan.config.tolerate_failures,
             )
             try:
                 dropped = run_workers(job, ranks, host=host, launcher=launch.launcher, watch=watch)

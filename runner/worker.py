@@ -48,6 +48,7 @@ class WorkerJob:
     master_port: int = 0
     threads: int = 1
     audit_dir: str | None = None
+    launcher_hosts_rendezvous: bool = False  # else rank 0 hosts it (the launcher then needs no torch)
     refresh_dirs: tuple[str, ...] = field(default_factory=tuple)  # grappa: partitions of refresh periods 1, 2, ...
 
     @property
@@ -152,7 +153,8 @@ def process_main(job: WorkerJob, rank: int) -> None:
         try:
             rendezvous, transport = None, None
             if job.world > 1:
-                rendezvous = dist.TCPStore(job.master_addr, job.master_port, is_master=False, timeout=job.timeout)
+                hosts = rank == 0 and not job.launcher_hosts_rendezvous
+                rendezvous = dist.TCPStore(job.master_addr, job.master_port, is_master=hosts, timeout=job.timeout)
                 dist.init_process_group("gloo", store=dist.PrefixStore("gen0", rendezvous), rank=rank,
                                         world_size=job.world, timeout=job.timeout)
                 transport = GlooTransport()

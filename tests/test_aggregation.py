@@ -134,3 +134,32 @@ def test_sparse_halo_bytes_equal_the_encoded_rows(tiny) -> None:
 
     for (expected, logged), _ in run_threads(rank, K):
         assert logged == expected
+
+
+def test_row_normalisation_changes_only_the_features(cora, tiny) -> None:
+    """``normalize_features`` divides each node's features by their sum and touches nothing else;
+    ``auto`` normalises Cora's bag-of-words counts and leaves the Gaussian synthetic features alone."""
+    import dataclasses
+
+    import numpy as np
+
+    from retexo_core.stages import prepare_features
+
+    data = load_part(cora.partitions["random"].path, 1)
+    rows = prepare_features(data, small_config(normalize_features="rows"))
+    x, normalised = data.x.to_dense(), rows.x.to_dense()
+    sums = x.sum(dim=1, keepdim=True)
+    expected = torch.where(sums > 0, x / torch.where(sums > 0, sums, torch.ones_like(sums)), x)
+    assert torch.equal(normalised, expected)
+    for field in dataclasses.fields(data):
+        if field.name == "masks":
+            assert all(torch.equal(rows.masks[s], data.masks[s]) for s in data.masks)
+        elif field.name != "x":
+            before, after = getattr(data, field.name), getattr(rows, field.name)
+            assert (torch.equal(after, before) if isinstance(before, torch.Tensor)
+                    else np.array_equal(after, before)), field.name
+    assert prepare_features(data, small_config(normalize_features="none")) is data
+    assert torch.equal(prepare_features(data, small_config(normalize_features="auto")).x.to_dense(), normalised)
+    synthetic = load_part(tiny[2].path, 0)
+    assert not synthetic.features_nonnegative
+    assert prepare_features(synthetic, small_config(normalize_features="auto")) is synthetic

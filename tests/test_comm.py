@@ -1,4 +1,4 @@
-"""The communicator: codecs, the ring all-reduce and the exchange log exactly what they send.
+"""The communicator: codecs, the all-reduce and the exchange log exactly what they send.
 
 Every communicator behaviour runs over both transports: real gloo process groups (spawned, seconds;
 the scenarios of one world size share one spawned group) and K threads over a ``ThreadHub``
@@ -130,21 +130,20 @@ def test_threads_and_gloo_give_identical_values_and_log_rows(fn: Callable[[Commu
 # --------------------------------------------------------------------------- contracts (both transports)
 
 
-def test_ring_all_reduce_sums_and_logs_ring_bytes(run: Runner) -> None:
+def test_all_reduce_sums_and_logs_what_reduce_scatter_and_all_gather_send(run: Runner) -> None:
     world = 3
     results = run(_allreduce_ten, world)
     expected = np.arange(10, dtype=np.float32) * sum(range(1, world + 1))
-    chunks = [len(c) for c in np.array_split(np.arange(10), world)]  # elements per ring chunk: 4, 3, 3
+    chunks = [len(c) for c in np.array_split(np.arange(10), world)]  # elements per chunk: 4, 3, 3
     for rank, (value, rows) in enumerate(results):
         np.testing.assert_array_equal(value, expected)
-        assert len(rows) == 1
-        op, layer, epoch, kind, src, dst, nbytes, hops = rows[0]
-        assert (layer, epoch, kind, src, dst, hops) == (3, 7, "grad_sync", rank, (rank + 1) % world, 2 * (world - 1))
-        scatter = sum(chunks[(rank - s) % world] for s in range(world - 1))
-        gather = sum(chunks[(rank + 1 - s) % world] for s in range(world - 1))
-        assert nbytes == 4 * (scatter + gather)
-    # in total each chunk crosses K-1 links twice: 2(K-1)/K * N per worker on average
-    assert sum(rows[0][6] for _, rows in results) == 2 * (world - 1) * 40
+        assert len(rows) == world - 1  # one row per peer
+        for op, layer, epoch, kind, src, dst, nbytes, hops in rows:
+            assert (layer, epoch, kind, src, hops) == (3, 7, "grad_sync", rank, 2)
+            # reduce-scatter: the peer's chunk; all-gather: the sum of our own chunk
+            assert nbytes == 4 * (chunks[dst] + chunks[rank])
+    # in total each chunk crosses K-1 links twice, as in a ring: 2(K-1)/K * N per worker on average
+    assert sum(row[6] for _, rows in results for row in rows) == 2 * (world - 1) * 40
 
 
 def test_compressed_all_reduce_is_identical_on_every_rank(run: Runner) -> None:
@@ -154,8 +153,8 @@ def test_compressed_all_reduce_is_identical_on_every_rank(run: Runner) -> None:
         np.testing.assert_array_equal(values[0], other)  # bit-identical replicas
     np.testing.assert_allclose(values[0], np.linspace(-1, 1, 101) * 10, atol=0.25)
     sizes = [len(c) for c in np.array_split(np.arange(101), 4)]
-    # every hop sends one int8 chunk plus its float32 scale
-    assert sum(r[1][0][6] for r in results) == 2 * 3 * sum(s + 4 for s in sizes)
+    # every chunk travels to K-1 ranks twice, as one int8 per value plus its float32 scale
+    assert sum(row[6] for r in results for row in r[1]) == 2 * 3 * sum(s + 4 for s in sizes)
 
 
 def test_exchange_delivers_and_logs_each_message_once_by_its_sender(run: Runner) -> None:
@@ -190,12 +189,12 @@ def test_exchange_bytes_sends_lengths_then_variable_payloads_and_logs_both(run: 
 
 def test_only_the_counted_barrier_is_logged(run: Runner) -> None:
     results = run(_barriers, 3)
-    # one int64 in a 3-rank ring: chunks of 1, 0, 0 elements, so only chunk 0 costs bytes; it goes
-    # 0 -> 1 -> 2 in the reduce-scatter and 2 -> 0 -> 1 in the all-gather
+    # one int64 over 3 ranks: chunks of 1, 0, 0 elements, so only chunk 0 costs bytes: ranks 1 and 2
+    # send it to rank 0 (reduce-scatter), rank 0 sends the sum to ranks 1 and 2 (all-gather)
     assert [rows for _, rows in results] == [
-        [(0, 0, -1, "control", 0, 1, 16, 4)],
-        [(0, 0, -1, "control", 1, 2, 8, 4)],
-        [(0, 0, -1, "control", 2, 0, 8, 4)],
+        [(0, 0, -1, "control", 0, 1, 8, 2), (0, 0, -1, "control", 0, 2, 8, 2)],
+        [(0, 0, -1, "control", 1, 0, 8, 2)],
+        [(0, 0, -1, "control", 2, 0, 8, 2)],
     ]
 
 
@@ -210,7 +209,6 @@ def test_a_wait_for_an_absent_peer_times_out_naming_it() -> None:
     transport = ThreadHub(2).transport(0)
     waits = {
         "all_to_all": lambda: transport.all_to_all([torch.empty(0, dtype=torch.uint8)] * 2, [0, 4], SHORT),
-        "send_recv": lambda: transport.send_recv(torch.ones(3, dtype=torch.uint8), 1, 1, 3, SHORT),
         "barrier": lambda: transport.barrier(SHORT),
     }
     for op, wait in waits.items():
@@ -223,8 +221,8 @@ def test_a_wait_for_an_absent_peer_times_out_naming_it() -> None:
 def test_the_communicator_reports_an_absent_peer_as_a_communication_error() -> None:
     comm = Communicator(0, 3, SHORT, transport=ThreadHub(3).transport(0))
     comm.layer, comm.epoch = 2, 5
-    with pytest.raises(CommunicationError, match=r"rank 0: grad_sync ring all-reduce .* layer 2, epoch 5 .*"
-                                                 r"rank 0 waited 0.3 s for rank 2"):
+    with pytest.raises(CommunicationError, match=r"rank 0: grad_sync all-reduce .* layer 2, epoch 5 .*"
+                                                 r"rank 0 waited 0.3 s for ranks 1, 2"):
         comm.all_reduce(torch.ones(6), "grad_sync")
     with pytest.raises(CommunicationError, match=r"rank 0: barrier failed .* for ranks 1, 2 \(barrier\)"):
         comm.barrier_uncounted()
@@ -266,7 +264,7 @@ def test_abort_wakes_every_waiting_rank_at_once_and_fails_later_operations() -> 
     assert time.monotonic() - start < 1.0
     assert errors == {0: "rank 2 died", 1: "rank 2 died"}
     with pytest.raises(RuntimeError, match="rank 2 died"):
-        hub.transport(1).send_recv(torch.ones(1, dtype=torch.uint8), 0, 0, 1, timedelta(seconds=60))
+        hub.transport(1).barrier(timedelta(seconds=60))
 
 
 def test_run_threads_aborts_the_peers_of_a_failed_rank_and_reraises_its_error() -> None:
@@ -296,7 +294,7 @@ def test_ranks_issuing_different_operations_is_an_error() -> None:
             comm.barrier_uncounted()
         comm.all_reduce(torch.ones(2), "grad_sync")
 
-    mismatch = r"expected a (send_recv|barrier) message from rank [01] but got a (barrier|send_recv) message"
+    mismatch = r"expected a (all_to_all|barrier) message from rank [01] but got a (barrier|all_to_all) message"
     with pytest.raises(CommunicationError, match=mismatch + r" \(the ranks issued different operations\)"):
         run_threads(rank_one_skips_the_barrier, 2)
 
@@ -323,15 +321,16 @@ def test_thread_ranks_communicate_inside_their_concurrent_backward_passes() -> N
 
     results = run_threads(train_step, 3)
     assert [value for value, _ in results] == [[2.0 * (1 + 2 + 3)] * 4] * 3
-    assert [[row[3] for row in rows] for _, rows in results] == [["grad_sync", "halo_grads"]] * 3
+    # one row per peer and operation
+    assert [[row[3] for row in rows] for _, rows in results] == [["grad_sync"] * 2 + ["halo_grads"] * 2] * 3
 
 
 def test_a_sent_payload_is_a_copy_the_sender_may_overwrite() -> None:
     hub = ThreadHub(2)
     payload = torch.arange(5, dtype=torch.uint8)
-    hub.put(0, 1, "send_recv", payload)
+    hub.put(0, 1, "all_to_all", payload)
     payload.zero_()
-    (got,) = hub.take(1, [0], "send_recv", [5], SHORT)
+    (got,) = hub.take(1, [0], "all_to_all", [5], SHORT)
     assert got.tolist() == [0, 1, 2, 3, 4]
 
 

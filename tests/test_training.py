@@ -40,6 +40,18 @@ def test_retexo_logged_bytes_equal_the_analytic_count(tiny) -> None:
     assert manifest["total_bytes"] == sum(expected.values())
 
 
+def test_retexo_validates_every_eval_every_rounds_and_at_the_last(tiny) -> None:
+    store, dataset, partition = tiny
+    rounds, every = (5, 4), 2
+    evaluated = sum(1 for r in rounds for k in range(r) if (k + 1) % every == 0 or k == r - 1)  # 3 + 2
+    plan = train(store, dataset, partition, small_config(rounds=list(rounds), eval_every=every))
+    h = halo_total(partition)
+    setup = K * (K - 1) * 8 + 8 * h + 4 * h + ring(8)
+    assert comm_log(plan)["control"] == setup + evaluated * ring(8 * 9) + ring(8 * 3 * C * C)
+    curves = pq.read_table(store.run_dir(plan.run_fp) / "metrics.parquet").to_pandas()
+    assert sorted(set(zip(curves["layer"], curves["round"]))) == [(1, 1), (1, 3), (1, 4), (2, 1), (2, 3)]
+
+
 def test_standard_logged_bytes_equal_the_analytic_count(tiny) -> None:
     store, dataset, partition = tiny
     epochs = 3

@@ -21,7 +21,15 @@ from graphstore.ingest.graph import SourceGraph
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef
 from graphstore.manifests import DatasetManifest
-from graphstore.parquet_io import COMPRESSION, DENSE_COLUMN, EDGE_SCHEMA, edges_table, feature_format_of, features_table_of
+from graphstore.parquet_io import (
+    COMPRESSION,
+    DENSE_COLUMN,
+    EDGE_SCHEMA,
+    edges_table,
+    feature_format_of,
+    features_nonnegative,
+    features_table_of,
+)
 
 DATASET_FORMAT = 2  # bump when the on-disk layout of a dataset changes (2: sparse feature layout)
 
@@ -99,10 +107,11 @@ def write_dataset_files(
     target = store.dataset_dir(name, fp)
     with atomic_artefact(store, target) as writer:
         pq.write_table(nodes, writer.path / "nodes.parquet", compression=COMPRESSION)
-        feature_format = "dense"
+        feature_format, nonnegative = "dense", True
         with _ParquetStream(writer.path / "features.parquet") as features_out:
             for chunk in feature_chunks:
                 features_out.write(chunk)
+                nonnegative = nonnegative and features_nonnegative(chunk)
                 feature_format = feature_format_of(chunk.column_names)
                 if feature_format == "dense":
                     num_features = chunk.column(DENSE_COLUMN).type.list_size
@@ -122,6 +131,7 @@ def write_dataset_files(
             num_edges=num_edges,
             num_features=num_features,
             feature_format=feature_format,
+            features_nonnegative=nonnegative,
             num_classes=num_classes,
             splits={s: int(np.count_nonzero(split == s)) for s in ("train", "val", "test", "none")},
             extra_columns=[c for c in nodes.column_names if c not in ("node_id", "label", "split")],

@@ -129,6 +129,7 @@ def build_partition(
             num_edges=len(graph.src),
             num_features=dataset.num_features,
             feature_format=dataset.manifest.feature_format,
+            features_nonnegative=dataset.manifest.features_nonnegative,
             num_classes=dataset.num_classes,
             assign_seconds=round(assign_seconds, 3),
             seconds=round(time.perf_counter() - started, 3),

@@ -47,7 +47,7 @@ def decode(payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, co
     if payload.storage_offset() % 8:
         payload = payload.clone()  # a slice of a larger receive buffer: realign before reinterpreting
     if dtype != torch.float32 or compression == "none":
-        return payload.view(dtype).reshape(shape).clone()
+        return payload.view(dtype).reshape(shape)  # a view of the receive buffer, which nobody reuses
     if compression == "fp16":
         return payload.view(torch.float16).to(torch.float32).reshape(shape)
     rows = shape[0] if len(shape) > 1 else 1

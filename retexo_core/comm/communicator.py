@@ -1,13 +1,13 @@
-"""The one communicator every inter-worker byte goes through (DESIGN.md section 5).
+"""The one communicator every inter-worker byte goes through (see docs/architecture.md).
 
 The communicator encodes tensors into uint8 payloads, counts and logs them; a ``Transport``
 (``retexo_core.comm.transport``) moves the bytes: a gloo process group (one rank per process, the
 default) or a ``ThreadHub`` (K ranks as threads of one process; same bytes, same results, same log).
-Point-to-point traffic is one all-to-all (alltoallv) of uint8 payloads; the all-reduce is a ring
-(reduce-scatter then all-gather, 2(K-1) steps to the right neighbour) of send/receive steps, so
-what is logged is literally what is sent: ``2(K-1)/K * N`` bytes per worker for N bytes. Every send
-is logged once, by the sender, with kind, layer, epoch, src, dst, bytes. All waits have a timeout;
-a dead peer surfaces as an error naming the rank.
+Every operation is one or two all-to-all (alltoallv) steps of uint8 payloads: point-to-point
+traffic is one, the all-reduce two (reduce-scatter, all-gather), so what is logged is literally
+what is sent: ``2(K-1)/K * N`` bytes per worker for N bytes, as in a ring, with 2 sequential steps.
+Every send is logged once, by the sender, with kind, layer, epoch, src, dst, bytes and steps
+(hops). All waits have a timeout; a dead peer surfaces as an error naming the rank.
 """
 
 from __future__ import annotations
@@ -92,13 +92,14 @@ class Communicator:
             raise CommunicationError(f"rank {self.log.rank}: {self.world} ranks but no transport")
         return self.transport
 
-    def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int], kind: str) -> list[torch.Tensor]:
+    def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int], kind: str,
+                    what: str = "exchange") -> list[torch.Tensor]:
         """Move uint8 ``payloads[j]`` to rank j; returns what each rank j sent us (``recv_sizes[j]`` B)."""
         transport = self._transport()
         try:
             return transport.all_to_all(payloads, recv_sizes, self.timeout)
         except RuntimeError as exc:
-            raise self._fail(f"{kind} exchange", exc) from exc
+            raise self._fail(f"{kind} {what}", exc) from exc
 
     def _fail(self, what: str, exc: Exception) -> CommunicationError:
         return CommunicationError(
@@ -183,42 +184,36 @@ class Communicator:
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
-        """Sum over ranks by a ring; returns a new tensor, identical on every rank."""
+        """Sum over ranks; returns a new tensor, identical on every rank.
+
+        Reduce-scatter then all-gather, each one all-to-all step: the tensor is split into K chunks,
+        rank j receives everyone's chunk j and sums them in rank order, then sends the sum of chunk
+        j to every rank. Over all ranks that is 2(K-1)N bytes for N bytes, as a ring sends, in 2
+        sequential steps instead of 2(K-1). The summed chunk is encoded once and every rank
+        (its owner included) decodes that same payload, so replicas are bit-identical even when
+        compressed.
+        """
         op = self.log.new_op()
         if self.world == 1:
             return tensor.clone()
-        codec = self.codec(kind)
-        flat = tensor.detach().reshape(-1).clone()
-        chunks = list(torch.tensor_split(flat, self.world))
-        right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        sent = 0
-        # Reduce-scatter: after K-1 steps this rank holds the full sum of chunk (rank + 1) % K.
-        for step in range(self.world - 1):
-            out_idx, in_idx = (self.rank - step) % self.world, (self.rank - step - 1) % self.world
-            payload = encode(chunks[out_idx], codec)
-            received = self._sendrecv(payload, right, left, encoded_nbytes(tuple(chunks[in_idx].shape), flat.dtype, codec), kind)
-            chunks[in_idx] = chunks[in_idx] + decode(received, tuple(chunks[in_idx].shape), flat.dtype, codec)
-            sent += payload.numel()
-        # All-gather: pass the reduced chunks around; forwarded payloads are sent unchanged so
-        # that every rank ends with bit-identical values even when compressed.
-        own = (self.rank + 1) % self.world
-        payload = encode(chunks[own], codec)
-        chunks[own] = decode(payload, tuple(chunks[own].shape), flat.dtype, codec)
-        for step in range(self.world - 1):
-            in_idx = (self.rank - step) % self.world
-            received = self._sendrecv(payload, right, left, encoded_nbytes(tuple(chunks[in_idx].shape), flat.dtype, codec), kind)
-            chunks[in_idx] = decode(received, tuple(chunks[in_idx].shape), flat.dtype, codec)
-            sent += payload.numel()
-            payload = received
-        self._finish(op, kind, {right: sent}, hops=2 * (self.world - 1))
-        return torch.cat(chunks).reshape(tensor.shape).to(tensor.dtype)
-
-    def _sendrecv(self, payload: torch.Tensor, right: int, left: int, recv_bytes: int, kind: str) -> torch.Tensor:
-        transport = self._transport()
-        try:
-            return transport.send_recv(payload, right, left, recv_bytes, self.timeout)
-        except RuntimeError as exc:
-            raise self._fail(f"{kind} ring all-reduce (peers {left} -> {self.rank} -> {right})", exc) from exc
+        codec, dtype = self.codec(kind), tensor.dtype
+        chunks = list(torch.tensor_split(tensor.detach().reshape(-1), self.world))
+        shapes = [tuple(c.shape) for c in chunks]
+        nothing = torch.empty(0, dtype=torch.uint8)
+        scatter = [encode(c, codec) if j != self.rank else nothing for j, c in enumerate(chunks)]
+        mine = encoded_nbytes(shapes[self.rank], dtype, codec)
+        got = self._all_to_all(scatter, [mine if j != self.rank else 0 for j in range(self.world)], kind, "all-reduce")
+        total = torch.zeros(shapes[self.rank], dtype=dtype)
+        for j in range(self.world):
+            total += chunks[j] if j == self.rank else decode(got[j], shapes[self.rank], dtype, codec)
+        reduced = encode(total, codec)
+        sizes = [encoded_nbytes(shapes[j], dtype, codec) if j != self.rank else 0 for j in range(self.world)]
+        gathered = self._all_to_all([reduced if j != self.rank else nothing for j in range(self.world)], sizes, kind,
+                                    "all-reduce")
+        out = [decode(reduced if j == self.rank else gathered[j], shapes[j], dtype, codec) for j in range(self.world)]
+        sent = {j: scatter[j].numel() + reduced.numel() for j in range(self.world) if j != self.rank}
+        self._finish(op, kind, {j: b for j, b in sent.items() if b}, hops=2)
+        return torch.cat(out).reshape(tensor.shape)
 
     def barrier(self) -> None:
         """Synchronise all ranks (a counted 8-byte control all-reduce)."""

@@ -35,10 +35,6 @@ class Transport(Protocol):
         (recv_sizes[j],) uint8 payload from rank j, in bytes."""
         ...
 
-    def send_recv(self, payload: torch.Tensor, dst: int, src: int, recv_bytes: int, timeout: timedelta) -> torch.Tensor:
-        """Send ``payload`` (uint8) to ``dst`` while receiving ``recv_bytes`` bytes from ``src`` (a ring step)."""
-        ...
-
     def barrier(self, timeout: timedelta) -> None:
         """Wait until every rank arrived; a missing rank is named in the error. Carries no payload."""
         ...
@@ -67,18 +63,6 @@ class GlooTransport:
         dist.all_to_all_single(output, torch.cat(send), recv_sizes, [p.numel() for p in send])
         return list(torch.split(output, recv_sizes))
 
-    def send_recv(self, payload: torch.Tensor, dst: int, src: int, recv_bytes: int, timeout: timedelta) -> torch.Tensor:
-        """``isend``/``irecv`` waited with ``timeout``; empty messages are not sent at all."""
-        buffer = torch.empty(recv_bytes, dtype=torch.uint8)
-        requests = []
-        if payload.numel():
-            requests.append(dist.isend(payload, dst))
-        if recv_bytes:
-            requests.append(dist.irecv(buffer, src))
-        for request in requests:
-            request.wait(timeout)
-        return buffer
-
     def barrier(self, timeout: timedelta) -> None:
         """gloo's monitored barrier: rank 0 names the first rank that did not arrive."""
         dist.monitored_barrier(timeout=timeout)
@@ -105,7 +89,7 @@ class GlooTransport:
 # ---------------------------------------------------------------------------------------- threads
 @dataclass(frozen=True)
 class _Message:
-    op: str  # the operation that sent it: "all_to_all", "send_recv" or "barrier"
+    op: str  # the operation that sent it: "all_to_all" or "barrier"
     payload: torch.Tensor  # (n,) uint8, owned by the mailbox (a copy of what was sent)
 
 
@@ -213,10 +197,6 @@ class ThreadTransport:
         out = dict(zip(peers, received))
         out[self.rank] = send[self.rank].detach().reshape(-1).clone()
         return [out[j] for j in range(world)]
-
-    def send_recv(self, payload: torch.Tensor, dst: int, src: int, recv_bytes: int, timeout: timedelta) -> torch.Tensor:
-        self.hub.put(self.rank, dst, "send_recv", payload)
-        return self.hub.take(self.rank, [src], "send_recv", [recv_bytes], timeout)[0]
 
     def barrier(self, timeout: timedelta) -> None:
         peers = [j for j in range(self.hub.world) if j != self.rank]

@@ -111,6 +111,11 @@ def train_loss(ctx: WorkerContext, logits: torch.Tensor, global_mean: bool,
     return total / max(ctx.train_count if global_mean else ctx.local_train, 1)
 
 
+def adam(module: nn.Module, lr: float, weight_decay: float) -> torch.optim.Adam:
+    """Adam over the module's parameters (the fused CPU kernel: one pass over all parameters)."""
+    return torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+
+
 def flat_grads(module: nn.Module) -> torch.Tensor:
     return torch.cat([
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in module.parameters()
@@ -170,7 +175,7 @@ def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, tuple[f
 
 def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, total: int,
              val_logits: Callable[[], torch.Tensor], best: "BestState",
-             stats_of: Callable[[torch.Tensor], dict[str, tuple[float, float]]] | None = None,
+             stats_of: Callable[[torch.Tensor], dict[str, tuple[float, float]] | None] | None = None,
              rows: torch.Tensor | None = None) -> None:
     """One model-selection point: logits of the val view (eval mode; of the nodes ``rows`` when
     given), global stats, history, best."""
@@ -178,6 +183,8 @@ def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, tot
     with torch.no_grad():
         logits = val_logits()
     stats = (stats_of or (lambda l: split_stats(ctx, l, rows)))(logits)
+    if stats is None:  # this point was skipped (a tolerant strategy lost a rank during it)
+        return
     record(ctx, layer, round_, stats, total)
     best.offer(module, stats["val"][1], round_)
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
 from retexo_core.models import Features, LocalGraph, build_blocks, local_graph
-from retexo_core.strategies.common import BestState, WorkerContext, sync_gradients, train_loss, validate
+from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
 
 
 @dataclass
@@ -93,7 +93,7 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
     # have no edge from it
     x_local = stack_rows(data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features"))
     x_train = x_local
-    optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
+    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
     best = BestState()
     for epoch in range(cfg.epochs):
         comm.epoch = epoch

@@ -30,6 +30,7 @@ on the surviving partitions' local graphs.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, TypeVar
 
@@ -45,6 +46,7 @@ from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.halo import VIEWS, VIEW_LEVEL, in_degree, node_levels
 from retexo_core.models import Features, LocalGraph, local_graph
 from retexo_core.strategies.common import (
+    adam,
     BestState,
     WorkerContext,
     make_context,
@@ -55,6 +57,7 @@ from retexo_core.strategies.common import (
 from retexo_core.strategies.endtoend import EndToEndResult, forward, new_model
 
 T = TypeVar("T")
+log = logging.getLogger("retexo.train")
 
 
 def isolated_context(comm: Communicator, data: PartData, config: TrainConfig) -> WorkerContext:
@@ -97,23 +100,53 @@ def coverage_weights(local_degree: np.ndarray, global_degree: np.ndarray, shrink
     return (1.0 - shrinkage) * coverage + shrinkage
 
 
-def tolerant(ctx: WorkerContext, operation: Callable[[], T]) -> T:
-    """Run a collective; with ``tolerate_failures``, rejoin the survivors and retry on failure."""
-    while True:
-        try:
-            return operation()
-        except CommunicationError:
-            if not ctx.config.tolerate_failures:
-                raise
-            ctx.comm.rejoin()
+class Tolerant:
+    """Runs the collectives of a strategy that may lose ranks (tma with ``tolerate_failures``).
+
+    After a failure the survivors re-form the group (``Communicator.rejoin``) and agree on the
+    newest operation any of them was in (one exchange of an 8-byte count, control). An operation
+    cannot complete on one rank while another never takes part, so a survivor is at most one
+    operation ahead: it completed the operation that failed elsewhere (some peers' data reached it
+    before the dead rank's did not reach them). The survivors behind skip their operation
+    (``skipped()``: e.g. no averaging this time) and the ones at the newest redo it together.
+    """
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.index = 0  # operations started so far
+
+    def __call__(self, operation: Callable[[], T], skipped: Callable[[], T]) -> T:
+        self.index += 1
+        while True:
+            try:
+                return operation()
+            except CommunicationError:
+                if not self.ctx.config.tolerate_failures:
+                    raise
+                newest = self.rejoin_and_agree()
+                log.warning("lost a rank; %d survivors re-formed the group at operation %d%s", self.ctx.comm.world,
+                            newest, " (this rank skips its operation)" if self.index < newest else "")
+                if self.index < newest:
+                    return skipped()
+
+    def rejoin_and_agree(self) -> int:
+        """Re-form the group with the survivors; the newest operation index among them."""
+        comm = self.ctx.comm
+        while True:
+            comm.rejoin()
+            try:
+                return max(comm.exchange_counts([self.index] * comm.world))
+            except CommunicationError:
+                continue  # another rank was lost meanwhile
 
 
 def train_tma(ctx: WorkerContext) -> EndToEndResult:
     cfg, comm, data = ctx.config, ctx.comm, ctx.data
     blocks = new_model(ctx)
     gen = ctx.generator()
-    optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
+    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
     mask, best = data.masks["train"], BestState()
+    tolerant = Tolerant(ctx)
     last_aggregation = time.monotonic()
     comm.layer = 0
     for epoch in range(cfg.epochs):
@@ -127,14 +160,14 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
             due = (epoch + 1) % cfg.agg_every_steps == 0
         else:  # every rank must agree: one flag per step (control)
             flag = torch.tensor([float(time.monotonic() - last_aggregation >= cfg.agg_every_seconds)], dtype=torch.float64)
-            due = bool(tolerant(ctx, lambda: comm.all_reduce(flag, "control"))[0] > 0)
+            due = bool(tolerant(lambda: comm.all_reduce(flag, "control"), lambda: torch.zeros(1))[0] > 0)
         if not due and epoch != cfg.epochs - 1:
             continue
         last_aggregation = time.monotonic()
         if comm.world > 1:
-            tolerant(ctx, lambda: average_by_train_count(comm, blocks, ctx.local_train))
+            tolerant(lambda: average_by_train_count(comm, blocks, ctx.local_train), lambda: None)
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best,
-                 lambda logits: tolerant(ctx, lambda: split_stats(ctx, logits)))
+                 lambda logits: tolerant(lambda: split_stats(ctx, logits), lambda: None))
     best.restore(blocks)
     return EndToEndResult(blocks, {}, best.round, best.accuracy)
 
@@ -184,7 +217,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
     cfg, comm = ctx.config, ctx.comm
     blocks = new_model(ctx)
     gen = ctx.generator()
-    optimizer = torch.optim.Adam(blocks.parameters(), lr=cfg.layer_lr(1), weight_decay=cfg.weight_decay)
+    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
     best = BestState()
     comm.layer = 0
     for epoch in range(cfg.epochs):

@@ -21,6 +21,7 @@ import torch
 from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.models import Aggregated, Block, Features, LayerWithHead, layer_dims, seeded
 from retexo_core.strategies.common import (
+    adam,
     BestState,
     WorkerContext,
     average_parameters,
@@ -107,7 +108,7 @@ def train_layer(ctx: WorkerContext, layer: int, inputs: Views) -> LayerResult:
     cfg, comm = ctx.config, ctx.comm
     module = new_layer(ctx, layer, inputs["full"].shape[1])
     gen = ctx.generator(layer)  # per-rank dropout masks
-    optimizer = torch.optim.Adam(module.parameters(), lr=cfg.layer_lr(layer), weight_decay=cfg.weight_decay)
+    optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay)
     rounds = cfg.layer_rounds(layer)
     best = BestState()
     share = ctx.local_train / max(ctx.train_count, 1)
