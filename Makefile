@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)  # everything that runs in one process (no spawned workers, no Prefect server)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) retexo-store .prefect

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphstore.atomic import atomic_write_file
-from graphstore.layout import Store
+from graphstore.layout import MANIFEST, Store
 from graphstore.lookup import completed_run, dataset_runs
 from graphstore.manifests import PartitionManifest, RunManifest, read_manifest
 
@@ -97,13 +97,20 @@ def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, 
     return "\n".join(lines)
 
 
-def write_report(store: Store, run: str) -> Report:
-    """(Re)generate the run's markdown report and plot inside the store."""
+def write_report(store: Store, run: str, only_if_stale: bool = False) -> Report:
+    """(Re)generate the run's markdown report and plot inside the store. With ``only_if_stale`` an
+    existing report is kept when no run on the same dataset finished after it was written."""
     manifest = completed_run(store, run)
+    folder = store.run_dir(manifest.fp) / "report"
+    report_path, plot_path = folder / REPORT_NAME, folder / PLOT_NAME
+    if only_if_stale and report_path.is_file() and plot_path.is_file():
+        written = report_path.stat().st_mtime_ns
+        runs = [store.run_dir(r.fp) / MANIFEST for r in dataset_runs(store, manifest.dataset)]
+        if all(path.stat().st_mtime_ns <= written for path in runs):
+            return Report(manifest, report_path.read_text(), plot_path, report_path)
     partition = None
     if manifest.partition:
         partition = read_manifest(store.partition_dir(manifest.dataset, manifest.partition), PartitionManifest)
-    folder = store.run_dir(manifest.fp) / "report"
     plot = plot_accuracy_vs_bytes(dataset_runs(store, manifest.dataset), manifest.fp,
                                   f"{manifest.dataset_name}: test accuracy vs bytes on the network (all runs)")
     atomic_write_file(store, folder / PLOT_NAME, plot)

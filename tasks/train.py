@@ -18,16 +18,16 @@ from runner.plan import RunPlan, layer_state
 from runner.worker import log_path
 
 
-def forward_worker_logs(plan: RunPlan, offsets: dict[int, int]) -> None:
-    """Copy what each rank appended to its log file into this task's run log."""
-    logger = get_run_logger()
-    for rank in range(plan.world):
-        path = log_path(plan.store_root, plan.run_fp, rank)
-        if path.is_file():
-            with open(path) as handle:
-                handle.seek(offsets.get(rank, 0))
-                for line in handle.read().splitlines():
-                    logger.info("[worker] %s", line)
+def forward_worker_log(plan: RunPlan, offset: int) -> None:
+    """Copy what rank 0 appended to its log file into this task's run log (every rank's own log
+    stays in ``runs/run=<fp>/logs/rank-<i>.log``; the metrics rank 0 logs are global ones)."""
+    path = log_path(plan.store_root, plan.run_fp, 0)
+    if path.is_file():
+        logger = get_run_logger()
+        with open(path) as handle:
+            handle.seek(offset)
+            for line in handle.read().splitlines():
+                logger.info("[rank 0] %s", line)
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -46,12 +46,12 @@ def train_task(plan: RunPlan) -> dict[str, object]:
         update_progress_artifact(progress_id, 100.0 * item.layer / plan.config.layers)
         logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
 
-    offsets = {r: log_path(plan.store_root, plan.run_fp, r).stat().st_size
-               for r in range(plan.world) if log_path(plan.store_root, plan.run_fp, r).is_file()}
+    rank0 = log_path(plan.store_root, plan.run_fp, 0)
+    offset = rank0.stat().st_size if rank0.is_file() else 0
     try:
         summary, progress = run_training(plan, on_layer=on_layer)
     finally:
-        forward_worker_logs(plan, offsets)
+        forward_worker_log(plan, offset)
     assert summary is not None
     logger.info("run %s: test accuracy %.4f, %d bytes", plan.run_fp, summary.accuracy("test"), summary.total_bytes)
     return {"run": plan.run_fp, "layers": {p.layer: p.state for p in progress},
@@ -61,8 +61,9 @@ def train_task(plan: RunPlan) -> dict[str, object]:
 
 @task(name="report", cache_policy=NO_CACHE)
 def report_task(plan: RunPlan) -> dict[str, object]:
-    """Markdown report (with the accuracy-vs-bytes plot inline) and a metrics table artifact."""
-    report = write_report(plan.store, plan.run_fp)
+    """Markdown report (with the accuracy-vs-bytes plot inline) and a metrics table artifact; the
+    report in the store is redrawn only when a run on the same dataset finished after it."""
+    report = write_report(plan.store, plan.run_fp, only_if_stale=True)
     image = base64.b64encode(report.plot_path.read_bytes()).decode()
     markdown = report.markdown.replace("(accuracy_vs_bytes.png)", f"(data:image/png;base64,{image})")
     create_markdown_artifact(markdown, key=f"run-report-{plan.run_fp}", description=f"run {plan.run_fp}")

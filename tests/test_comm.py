@@ -113,12 +113,13 @@ def run_gloo(fn: Callable[[Communicator], Any], world: int, compression: str = "
     return _gloo_batch(world)[(fn.__name__, compression)]
 
 
-@pytest.fixture(params=["gloo", "threads"])
+@pytest.fixture(params=[pytest.param("gloo", marks=pytest.mark.slow), "threads"])
 def run(request: pytest.FixtureRequest) -> Runner:
     return {"gloo": run_gloo, "threads": run_threads}[request.param]
 
 
 @pytest.mark.parametrize("fn,world,compression", SCENARIOS, ids=[f"{fn.__name__}-{c}" for fn, _, c in SCENARIOS])
+@pytest.mark.slow
 def test_threads_and_gloo_give_identical_values_and_log_rows(fn: Callable[[Communicator], Any], world: int,
                                                             compression: str) -> None:
     gloo, threads = run_gloo(fn, world, compression), run_threads(fn, world, compression)

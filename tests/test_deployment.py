@@ -20,6 +20,7 @@ from conftest import REPO
 from runner.launch import free_port
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
+pytestmark = pytest.mark.slow
 
 
 def stop(process: subprocess.Popen) -> None:

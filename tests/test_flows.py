@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, run_cli
 from flows.params import PipelineParams
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)

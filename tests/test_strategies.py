@@ -182,6 +182,7 @@ def test_isolated_strategies_with_one_partition_equal_centralized_training(tiny,
             assert torch.equal(w[0][name], w[1][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tolerate", [True, False])
 def test_a_killed_tma_trainer_is_dropped_with_the_flag_and_fails_the_run_without(tmp_path: Path, tolerate: bool) -> None:
     store = tmp_path / "store"

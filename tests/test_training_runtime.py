@@ -94,6 +94,7 @@ def test_inductive_training_never_sees_test_nodes_or_their_edges(tmp_path: Path,
     assert gap > 1e-3
 
 
+@pytest.mark.slow
 def test_workers_open_only_their_own_partition_and_embedding_rows(tmp_path: Path, tiny_plan_factory) -> None:
     plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=2, timeout_s=60))
     audit = tmp_path / "audit"
@@ -124,6 +125,7 @@ def tiny_plan_factory():
     return make
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_run_quickly_naming_its_rank(tmp_path: Path) -> None:
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
@@ -137,6 +139,7 @@ def test_a_killed_worker_fails_the_run_quickly_naming_its_rank(tmp_path: Path) -
     assert not list((store / "runs").glob("run=*/layer=1/manifest.json"))
 
 
+@pytest.mark.slow
 def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path) -> None:
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
