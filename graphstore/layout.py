@@ -1,4 +1,4 @@
-"""Where things live in the store (DESIGN.md section 3).
+"""Where things live in the store (README "The store").
 
 ::
 

@@ -79,20 +79,41 @@ class LocalGraph:
         sage: the mean over the stored in-edges (``1 / in-degree`` of the target);
         gat: the stored edges without self loops plus one self loop per owned node, values 1.
     num_owned: n.
+    model: the model the weights are for.
+    targets: positions of the rows among the sources; None: 0..n-1.
     """
 
     adj: SparseMatrix
     num_owned: int
-    targets: torch.Tensor | None = None  # positions of the rows among the sources; None: 0..n-1
+    model: ModelName
+    targets: torch.Tensor | None = None
 
     def restrict(self, rows: torch.Tensor) -> "LocalGraph":
         """The graph of the target rows ``rows`` only (their in-edges from the same sources)."""
         targets = rows if self.targets is None else self.targets[rows]
-        return LocalGraph(self.adj.select_rows(rows), len(rows), targets)
+        return LocalGraph(self.adj.select_rows(rows), len(rows), self.model, targets)
 
     def own_rows(self, x: Features) -> Features:
         """The targets' own rows of local inputs ``x``."""
         return first_rows(x, self.num_owned) if self.targets is None else rows_of(x, self.targets)
+
+    def without_sources(self, absent: torch.Tensor) -> "LocalGraph":
+        """The graph without the edges from the sources ``absent`` ((N,) bool), e.g. halo nodes that
+        sent nothing this epoch (BNS-GCN). GCN keeps its weights (the full graph's normalisation)
+        and SAGE averages over the remaining in-edges, both on the same structure (zero values for
+        the dropped edges); GAT's softmax must not see the dropped edges, so its structure is rebuilt."""
+        adj = self.adj
+        kept = ~absent[adj.col]
+        if self.model == "gat":
+            rows = adj.row_index()[kept]
+            return LocalGraph(SparseMatrix.from_coo(rows, adj.col[kept], None, adj.shape), self.num_owned,
+                              self.model, self.targets)
+        weight = kept.to(adj.val.dtype)
+        if self.model == "gcn":
+            return LocalGraph(adj.with_values(adj.val * weight), self.num_owned, self.model, self.targets)
+        rows = adj.row_index()
+        count = torch.zeros(adj.shape[0], dtype=weight.dtype).index_add_(0, rows, weight)
+        return LocalGraph(adj.with_values(weight / count.clamp_min(1)[rows]), self.num_owned, self.model, self.targets)
 
 
 def local_graph(model: ModelName, src: np.ndarray, dst: np.ndarray, degree: torch.Tensor, num_owned: int,
@@ -108,16 +129,16 @@ def local_graph(model: ModelName, src: np.ndarray, dst: np.ndarray, degree: torc
     if model == "sage":
         counts = np.bincount(dst, minlength=num_owned).astype(np.float32)
         weight = 1.0 / counts[dst]
-        return LocalGraph(SparseMatrix.from_coo(dst, src, weight, shape), num_owned)
+        return LocalGraph(SparseMatrix.from_coo(dst, src, weight, shape), num_owned, model)
     no_loop = src != dst
     src, dst = src[no_loop], dst[no_loop]
     loops = np.arange(num_owned)
     rows, cols = np.concatenate([dst, loops]), np.concatenate([src, loops])
     if model == "gat":
-        return LocalGraph(SparseMatrix.from_coo(rows, cols, np.ones(len(rows), np.float32), shape), num_owned)
+        return LocalGraph(SparseMatrix.from_coo(rows, cols, np.ones(len(rows), np.float32), shape), num_owned, model)
     inv_sqrt = (degree.double() + 1.0).rsqrt().numpy()
     weight = np.concatenate([inv_sqrt[src] * inv_sqrt[dst], inv_sqrt[loops] ** 2]).astype(np.float32)
-    return LocalGraph(SparseMatrix.from_coo(rows, cols, weight, shape), num_owned)
+    return LocalGraph(SparseMatrix.from_coo(rows, cols, weight, shape), num_owned, model)
 
 
 def glorot_(tensor: torch.Tensor) -> torch.Tensor:

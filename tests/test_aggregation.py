@@ -163,3 +163,27 @@ def test_row_normalisation_changes_only_the_features(cora, tiny) -> None:
     synthetic = load_part(tiny[2].path, 0)
     assert not synthetic.features_nonnegative
     assert prepare_features(synthetic, small_config(normalize_features="auto")) is synthetic
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
+def test_dropping_sources_equals_building_the_graph_without_their_edges(model: str) -> None:
+    """BNS-GCN's per-epoch graph: the run's adjacency without the edges from unsampled halo nodes
+    is the graph built from the remaining edges (GCN keeping the full graph's normalisation)."""
+    import numpy as np
+
+    from retexo_core.halo import in_degree
+    from retexo_core.models import local_graph
+
+    rng = np.random.default_rng(3)
+    n, h = 20, 12
+    src, dst = rng.integers(0, n + h, 150), rng.integers(0, n, 150)
+    keys = np.unique(src * (n + h) + dst)
+    src, dst = keys // (n + h), keys % (n + h)
+    degree = torch.from_numpy(in_degree(n + h, src, dst))
+    absent = torch.zeros(n + h, dtype=torch.bool)
+    absent[n + torch.from_numpy(rng.choice(h, 5, replace=False))] = True
+    dropped = local_graph(model, src, dst, degree, n, n + h).without_sources(absent)
+    rebuilt = local_graph(model, src, dst, degree, n, n + h, keep=~absent.numpy()[src])
+    torch.testing.assert_close(dropped.adj.to_dense(), rebuilt.adj.to_dense())
+    if model == "gat":
+        assert dropped.adj.nnz == rebuilt.adj.nnz

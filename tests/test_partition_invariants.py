@@ -1,4 +1,4 @@
-"""Partition invariants (DESIGN.md section 4) on Cora, a synthetic SBM and a site-column graph.
+"""Partition invariants (README "Bring your own graph" and "The store") on Cora, a synthetic SBM and a site-column graph.
 
 For every method: each node is owned by exactly one part; part i's edges are exactly the dataset
 edges whose ``dst`` it owns; its halo is exactly the set of remote sources of those edges, with

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
-from retexo_core.models import Features, LocalGraph, build_blocks, local_graph
+from retexo_core.models import Features, LocalGraph, build_blocks
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
 
 
@@ -68,13 +68,13 @@ def varco_plans(ctx: WorkerContext, epoch: int, rng: np.random.Generator) -> tup
 
 
 def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
-    """Train-view graph without edges from halo nodes that received nothing this epoch."""
-    data, n = ctx.data, ctx.data.num_owned
-    present = ctx.plan.visible("train").copy()
-    present[n:] = False
-    present[n + plan.received] = True
-    keep = present[data.src] & ctx.plan.visible("train")[data.dst]
-    return local_graph(ctx.config.model, data.src, data.dst, ctx.plan.degree["train"], n, n + data.num_halo, keep)
+    """Train-view graph without edges from halo nodes that received nothing this epoch (the
+    adjacency of the run, with those edges' values set to zero; rebuilt for GAT)."""
+    n = ctx.data.num_owned
+    absent = torch.ones(n + ctx.data.num_halo, dtype=torch.bool)
+    absent[:n] = False
+    absent[n + torch.from_numpy(plan.received)] = False
+    return ctx.graphs["train"].without_sources(absent)
 
 
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
