@@ -29,6 +29,7 @@ from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 
 PARTITION_OPTIONS = OptionGroup("partition", PartitionOptions)
+SYNTHETIC_OPTIONS = OptionGroup("synthetic", SyntheticOptions)
 
 app = typer.Typer(
     help="Communication-efficient distributed GNN training: ingest, partition, train, inspect with SQL.",
@@ -132,25 +133,20 @@ def ingest_tables_cmd(
 
 
 @ingest_app.command("synthetic")
+@with_options(SYNTHETIC_OPTIONS)
 def ingest_synthetic_cmd(
     name: Annotated[str, typer.Option(help="Dataset name in the store.")],
-    nodes: Annotated[int, typer.Option(help="Number of nodes.")],
-    avg_degree: Annotated[float, typer.Option(help="Average degree (directed edges = nodes x avg degree).")],
-    classes: Annotated[int, typer.Option(help="Number of classes (blocks).")] = 10,
-    features: Annotated[int, typer.Option(help="Feature width.")] = 64,
-    homophily: Annotated[float, typer.Option(help="Probability that an edge stays inside its class.")] = 0.8,
-    feature_signal: Annotated[float, typer.Option(help="Scale of the class centroid in the features (noise is N(0,1)).")] = 0.5,
-    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
     train_frac: TrainFrac = 0.6,
     val_frac: ValFrac = 0.2,
     store: StoreOption = None,
+    **options: Any,
 ) -> None:
     """Generate a stochastic block model with label-correlated features, streamed to Parquet."""
     st = open_store(store)
-    options = SyntheticOptions(nodes=nodes, avg_degree=avg_degree, classes=classes, features=features,
-                               homophily=homophily, feature_signal=feature_signal, seed=seed)
+    synthetic = collect(SYNTHETIC_OPTIONS, options)
+    fractions = SplitFractions(train=train_frac, val=val_frac, seed=synthetic.seed)  # type: ignore[attr-defined]
     with progress_bars() as progress:
-        ref = ingest_synthetic(st, name, options, SplitFractions(train=train_frac, val=val_frac, seed=seed), progress)
+        ref = ingest_synthetic(st, name, synthetic, fractions, progress)  # type: ignore[arg-type]
     show_dataset(ref)
     refresh_catalog(st)
 

@@ -54,7 +54,7 @@ def model_options(group: OptionGroup) -> list[inspect.Parameter]:
     parameters = []
     for field, info in group.model.model_fields.items():
         kind, listed = cli_type(info.annotation)
-        default = info.get_default(call_default_factory=True)
+        default = inspect.Parameter.empty if info.is_required() else info.get_default(call_default_factory=True)
         if listed and default is not None:
             default = ",".join(map(str, default)) if isinstance(default, list) else str(default)
         option = typer.Option(option_name(group, field), help=info.description or "")
@@ -66,7 +66,8 @@ def model_options(group: OptionGroup) -> list[inspect.Parameter]:
 def with_options(*groups: OptionGroup) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add the groups' options to a command (after the command's own parameters)."""
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        own = [p for p in inspect.signature(command).parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+               if p.kind != inspect.Parameter.VAR_KEYWORD]
         extra = [p for g in groups for p in model_options(g)]
         command.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
         return command

@@ -58,6 +58,9 @@ class TrainConfig(BaseModel):
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line).", scope="per_layer",
                                      strategies=("retexo", "centralized"))
+    batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
+                                    "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
+                                    strategies=("retexo", "centralized"), ge=1)
     lr: float | list[float] = option(0.01, "Learning rate, one value or one per layer (comma list).",
                                      scope="per_layer")
     epochs: int = option(200, "Epochs (steps) of the end-to-end strategies.", scope="run", strategies=END_TO_END,

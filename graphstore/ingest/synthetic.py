@@ -3,8 +3,9 @@
 Each undirected edge picks a uniform endpoint u; with probability ``homophily`` the other endpoint
 is uniform within u's class, otherwise uniform within another class. Self loops and duplicates
 are removed and replaced until exactly ``round(nodes * avg_degree / 2)`` undirected edges remain;
-they are stored both ways. Features: ``signal * centroid[class] + N(0, 1)`` per node, with class
-centroids drawn from N(0, 1). Memory is about 50 bytes per directed edge plus 4 bytes per feature
+they are stored both ways. Features: ``signal * centroid[c] + N(0, noise^2)`` per node, with class
+centroids drawn from N(0, 1), where c is the node's class, or, with probability ``class_overlap``,
+another class drawn uniformly (a node that looks like another class: only its neighbourhood tells). Memory is about 50 bytes per directed edge plus 4 bytes per feature
 value of one node chunk, so 1,000,000 nodes / 20,000,000 edges fit in about 1.5 GB.
 """
 
@@ -20,7 +21,8 @@ from graphstore.ingest.splits import SplitFractions, stratified_split
 from graphstore.parquet_io import features_table
 from graphstore.progress import Progress, no_progress
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
+HOMOPHILY, FEATURE_SIGNAL, CLASS_OVERLAP = 0.3, 0.3, 0.3  # defaults: see the README, "Synthetic graphs"
 NODE_CHUNK = 100_000
 EDGE_CHUNK = 2_000_000
 
@@ -28,13 +30,16 @@ EDGE_CHUNK = 2_000_000
 class SyntheticOptions(BaseModel):
     """Parameters of the generated graph (all part of the dataset fingerprint)."""
 
-    nodes: int = Field(gt=1)
-    avg_degree: float = Field(gt=0)
-    classes: int = Field(ge=2)
-    features: int = Field(ge=1)
-    homophily: float = Field(0.8, ge=0, le=1)
-    feature_signal: float = Field(0.5, ge=0)
-    seed: int = 0
+    nodes: int = Field(gt=1, description="Number of nodes.")
+    avg_degree: float = Field(gt=0, description="Average degree (directed edges = nodes x avg degree).")
+    classes: int = Field(10, ge=2, description="Number of classes (blocks).")
+    features: int = Field(64, ge=1, description="Feature width.")
+    homophily: float = Field(HOMOPHILY, ge=0, le=1, description="Probability that an edge stays inside its class.")
+    feature_signal: float = Field(FEATURE_SIGNAL, ge=0, description="Scale of the class centroid in the features.")
+    feature_noise: float = Field(1.0, gt=0, description="Standard deviation of the Gaussian noise on every feature.")
+    class_overlap: float = Field(CLASS_OVERLAP, ge=0, le=1, description="Probability that a node's features are "
+                                 "drawn around another class's centroid.")
+    seed: int = Field(0, description="Generator seed (also the seed of the stratified split).")
 
 
 def sample_labels(options: SyntheticOptions, rng: np.random.Generator) -> np.ndarray:
@@ -80,8 +85,11 @@ def generate_features(options: SyntheticOptions, label: np.ndarray, rng: np.rand
     centroids = rng.standard_normal((options.classes, options.features)).astype(np.float32)
     for start in range(0, options.nodes, NODE_CHUNK):
         ids = np.arange(start, min(start + NODE_CHUNK, options.nodes), dtype=np.int64)
-        noise = rng.standard_normal((len(ids), options.features), dtype=np.float32)
-        yield features_table(ids, options.feature_signal * centroids[label[ids]] + noise)
+        looks_like = label[ids].copy()
+        other = rng.random(len(ids)) < options.class_overlap
+        looks_like[other] = (looks_like[other] + rng.integers(1, options.classes, int(other.sum()))) % options.classes
+        noise = rng.standard_normal((len(ids), options.features), dtype=np.float32) * np.float32(options.feature_noise)
+        yield features_table(ids, options.feature_signal * centroids[looks_like] + noise)
         progress("features", int(ids[-1]) + 1, options.nodes)
 
 
