@@ -3,6 +3,7 @@ or sparse bag-of-words rows in a sparse encoding), and the differentiable halo e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,31 @@ def exchange_sparse_rows(comm: Communicator, plan: ExchangePlan, owned: SparseMa
         return SparseMatrix.from_coo(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32),
                                      (plan.num_halo, owned.shape[1]))
     return SparseMatrix.from_coo(torch.cat(rows), torch.cat(cols), torch.cat(vals), (plan.num_halo, owned.shape[1]))
+
+
+def stream_rows(comm: Communicator, plan: ExchangePlan, owned: Features, kind: str) -> Iterator[tuple[int, Features]]:
+    """The planned rows of ``owned``, one peer at a time: in step s = 1..K-1 every rank sends its
+    rows for rank + s and receives those of rank - s (one exchange each), and the step yields
+    (that peer, its (len(recv_index[peer]), d) rows). Only one peer's rows are in memory at once;
+    the bytes are those of ``exchange_rows`` (sparse rows: their size, 8 B, as control first)."""
+    world, rank = comm.world, comm.rank
+
+    def only(value: object, j: int) -> list:
+        return [value if k == j else None for k in range(world)]
+
+    for step in range(1, world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        rows = torch.from_numpy(plan.send_index[dst])
+        expected = len(plan.recv_index[src])
+        if isinstance(owned, SparseMatrix):
+            codec = comm.codec(kind)
+            payload = encode_rows(owned.select_rows(rows), codec)
+            size = comm.exchange(only(torch.tensor([payload.numel()]), dst), only((1,), src), torch.int64, "control")
+            got = comm.exchange(only(payload, dst), only((int(size[src][0]),), src), torch.uint8, kind)
+            yield src, decode_rows(got[src], expected, owned.shape[1], codec)
+        else:
+            got = comm.exchange(only(owned[rows], dst), only((expected, owned.shape[1]), src), owned.dtype, kind)
+            yield src, got[src]
 
 
 def stack_rows(top: Features, bottom: Features) -> Features:

@@ -10,9 +10,10 @@ output row is exact. Inputs may be dense or sparse (bag-of-words features as a `
 Two ways to run a block:
 
 - end to end (``forward``): dropout on the block's input, then propagation, every step;
-- layer-wise with frozen inputs (``aggregate`` once, then ``from_aggregated`` every round): GCN's
-  Â·X and SAGE's neighbour mean do not depend on the parameters, so they are computed once per
-  layer and the rounds are dense (or sparse-times-dense) products on them. Here dropout acts on the
+- layer-wise with frozen inputs (``partial_aggregate`` once per layer, see
+  ``strategies.retexo.streamed_aggregates``, then ``from_aggregated`` every round): GCN's Â·X and
+  SAGE's neighbour mean do not depend on the parameters, so they are computed once per layer and
+  the rounds are dense (or sparse-times-dense) products on them. Here dropout acts on the
   aggregated inputs, after aggregation instead of before it. GAT's attention depends on its
   parameters, so GAT propagates in every round (``forward`` on the fixed inputs).
 
@@ -220,13 +221,12 @@ class Aggregated:
         return self.neigh.shape[0]
 
 
-def aggregate_once(adj: SparseMatrix, x: Features) -> Features:
-    """A·X for frozen inputs: sparse stays sparse while the result is sparse enough."""
-    if not isinstance(x, SparseMatrix):
-        with torch.no_grad():
-            return spmm(adj, x)
-    product = sparse_sparse(adj, x)
-    return product if product.density <= AGGREGATED_DENSITY else product.to_dense()
+def partial_aggregate(adj: SparseMatrix, x: Features) -> Features:
+    """A·X for frozen inputs (no autograd): dense for dense X, sparse for sparse X."""
+    if isinstance(x, SparseMatrix):
+        return sparse_sparse(adj, x)
+    with torch.no_grad():
+        return spmm(adj, x)
 
 
 def _drop(x: Features, p: float, gen: torch.Generator | None, training: bool) -> Features:
@@ -271,12 +271,6 @@ class Block(nn.Module):
         return self.finish(self.propagate(_drop(x, self.p, gen, self.training), graph))
 
     # -- layer-wise training on frozen inputs ---------------------------------------------
-    def aggregate(self, x: Features, graph: LocalGraph) -> Aggregated:
-        """GCN / SAGE: the parameter-free part of the block on frozen inputs, once per layer."""
-        neigh = aggregate_once(graph.adj, x)
-        own = graph.own_rows(x) if self.model == "sage" else None
-        return Aggregated(neigh, own)
-
     def from_aggregated(self, agg: Aggregated, gen: torch.Generator | None = None) -> torch.Tensor:
         """(rows, out) outputs from aggregated inputs: dropout on the aggregates, then the dense part."""
         neigh = _drop(agg.neigh, self.p, gen, self.training)

@@ -192,6 +192,10 @@ class SparseMatrix:
         return SparseMatrix(self.t_crow, self.t_col, self.val[self.t_perm], (self.shape[1], self.shape[0]),
                             self.crow, self.col, inverse)
 
+    def columns(self, start: int, stop: int) -> SparseMatrix:
+        """Columns [start, stop) as a (rows, stop - start) matrix (through the stored transpose)."""
+        return self.t().select_rows(torch.arange(start, stop, dtype=_INDEX)).t()
+
     def select_rows(self, index: Tensor) -> SparseMatrix:
         """Rows ``index`` (any order, repeats allowed) as a (len(index), cols) matrix.
 

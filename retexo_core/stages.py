@@ -24,7 +24,7 @@ from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
 from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
 from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
-from retexo_core.strategies.retexo import Views, gather_inputs, train_layer
+from retexo_core.strategies.retexo import Views, train_layer
 
 log = logging.getLogger("retexo.worker")
 HISTORY_SCHEMA = pa.schema([
@@ -89,7 +89,7 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
-        result = train_layer(ctx, layer, gather_inputs(ctx, layer, own))
+        result = train_layer(ctx, layer, own)
         evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
         rows, log_start = new_log_rows(ctx, log_start)
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]

@@ -22,8 +22,9 @@ VIEWS = ("train", "val", "full")
 
 
 def _layer_outputs(partition_dir: str, model: str, setting: str, sparse: bool):
-    """Per rank: layer-1 outputs per view from the aggregates, from the per-round propagation, from
-    PyG's conv on the same local graph; the halo rows received and this rank's log rows."""
+    """Per rank: layer-1 outputs per view from the streamed aggregates, from the per-round propagation
+    over the gathered inputs, from PyG's conv on the same local graph; the halo rows received and
+    the log rows of the streamed exchange."""
 
     def rank(comm):
         data = load_part(Path(partition_dir), comm.rank)
@@ -31,12 +32,13 @@ def _layer_outputs(partition_dir: str, model: str, setting: str, sparse: bool):
             data.x = SparseMatrix.from_dense(data.x)
         config = small_config(model=model, setting=setting)
         ctx = make_context(comm, data, config)
+        own = dict.fromkeys(VIEWS, data.x)
         start = len(comm.log.rows)
-        inputs = gather_inputs(ctx, 1, dict.fromkeys(VIEWS, data.x))
-        exchanged = comm.log.rows[start:]
         module = new_layer(ctx, 1, data.x.shape[1])
         module.eval()
-        prepared = LayerInputs(ctx, module.block, inputs)
+        prepared = LayerInputs.exchanged(ctx, 1, module.block, own)  # streamed aggregates (the run's path)
+        exchanged = comm.log.rows[start:]
+        inputs = gather_inputs(ctx, 1, own)  # the whole halo at once, for the per-round reference
         out = {}
         with torch.no_grad():
             for view in VIEWS:
@@ -126,7 +128,8 @@ def test_sparse_halo_bytes_equal_the_encoded_rows(tiny) -> None:
         data.x = SparseMatrix.from_dense(data.x)
         ctx = make_context(comm, data, small_config())
         start = len(comm.log.rows)
-        gather_inputs(ctx, 1, dict.fromkeys(VIEWS, data.x))
+        module = new_layer(ctx, 1, data.x.shape[1])
+        LayerInputs.exchanged(ctx, 1, module.block, dict.fromkeys(VIEWS, data.x))
         expected = {j: encoded_rows_nbytes(data.x.select_rows(torch.from_numpy(idx)), "none")
                     for j, idx in enumerate(ctx.plans["full"].send_index) if j != comm.rank and len(idx)}
         logged = {r[5]: r[6] for r in comm.log.rows[start:] if r[3] == "halo_features"}

@@ -3,7 +3,8 @@
 Per layer l on every rank: (1) one halo exchange of the layer's inputs (raw features for l = 1,
 layer l-1 embeddings after that; inductive runs exchange each view's embeddings of the nodes
 visible in that view); (2) GCN and SAGE aggregate those frozen inputs once (Â·X, or the neighbour
-mean next to the node's own row), GAT keeps its inputs and propagates every round; (3) R_l rounds
+mean next to the node's own row), peer by peer as the halo rows arrive, so that a worker never
+holds all of its halo's rows; GAT keeps its inputs and propagates every round; (3) R_l rounds
 of training of ``block_l + head`` on the train nodes (dropout on the aggregates), with gradient sync
 every round (``sync=grad``) or local steps with model averaging every ``sync_every`` rounds
 (``sync=avg``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
@@ -16,11 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from retexo_core.exchange import exchange_rows, stack_rows
-from retexo_core.models import Aggregated, Block, Features, LayerWithHead, layer_dims, seeded
+from retexo_core.exchange import exchange_rows, stack_rows, stream_rows
+from retexo_core.models import (
+    AGGREGATED_DENSITY,
+    Aggregated,
+    Block,
+    Features,
+    LayerWithHead,
+    layer_dims,
+    partial_aggregate,
+    seeded,
+)
+from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
     BestState,
@@ -54,6 +66,64 @@ def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
     return {v: local.get(v, local["full"]) for v in own}
 
 
+def place_rows(rows: Features, positions: np.ndarray, size: int) -> Features:
+    """(r, d) rows at ``positions`` of a (size, d) block (the rest zero); the rows themselves when
+    they fill the block in order."""
+    if len(positions) == size and np.array_equal(positions, np.arange(size)):
+        return rows
+    index = torch.from_numpy(positions)
+    if isinstance(rows, SparseMatrix):
+        return SparseMatrix.from_coo(index[rows.row_index()], rows.col, rows.val, (size, rows.shape[1]))
+    placed = rows.new_zeros((size, rows.shape[1]))
+    placed[index] = rows
+    return placed
+
+
+def add_aggregates(total: Features, part: Features) -> Features:
+    """Sum of two partial aggregates (sparse while both are)."""
+    if isinstance(total, SparseMatrix) and isinstance(part, SparseMatrix):
+        return SparseMatrix.from_scipy(total.to_scipy() + part.to_scipy())
+    dense = [x.to_dense() if isinstance(x, SparseMatrix) else x for x in (total, part)]
+    return dense[0] + dense[1]
+
+
+def stored_aggregate(neigh: Features) -> Features:
+    """A sparse aggregate denser than ``AGGREGATED_DENSITY`` is kept dense."""
+    if isinstance(neigh, SparseMatrix) and neigh.density > AGGREGATED_DENSITY:
+        return neigh.to_dense()
+    return neigh
+
+
+def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views) -> dict[str, Aggregated]:
+    """GCN / SAGE: the layer's single halo exchange and its aggregation A·X per view, peer by peer.
+
+    A·X = A[:, own] @ X_own + sum over peers j of A[:, halo of j] @ X_j: each peer's rows are
+    aggregated as soon as they arrive and then dropped. Layer 1 exchanges the raw features once
+    (the full plan) and every view aggregates them with its own graph; later layers exchange each
+    view's rows of the nodes visible in it.
+    """
+    comm, n = ctx.comm, ctx.data.num_owned
+    comm.layer, comm.epoch = layer, -1
+    kind = "halo_features" if layer == 1 else "halo_embeddings"
+    readers = {"full": list(ctx.views)} if layer == 1 else {v: [v] for v in ctx.views}
+    blocks = ctx.plan.halo_blocks()  # type: ignore[union-attr]
+    neigh: dict[str, Features] = {}
+    for source, views in readers.items():
+        adj = {v: ctx.graphs[v].adj for v in views}
+        for v in views:
+            neigh[v] = partial_aggregate(adj[v].columns(0, n), own[source] if layer == 1 else own[v])
+        plan = ctx.plans[source]
+        for peer, rows in stream_rows(comm, plan, own[source], kind):
+            block = blocks[peer]
+            placed = place_rows(rows, plan.recv_index[peer] - block.start, block.stop - block.start)
+            for v in views:
+                part = partial_aggregate(adj[v].columns(n + block.start, n + block.stop), placed)
+                neigh[v] = add_aggregates(neigh[v], part)
+    sage = ctx.config.model == "sage"
+    distinct = {v: Aggregated(stored_aggregate(neigh[v]), own[v] if sage else None) for v in ctx.views}
+    return {v: distinct[v if v in distinct else "full"] for v in own}
+
+
 def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
     """Layer ``layer`` with identical initial parameters on every rank."""
     cfg = ctx.config
@@ -73,26 +143,34 @@ def chunks(total: int, size: int | None) -> list[torch.Tensor]:
 class LayerInputs:
     """A layer's frozen inputs, prepared once for the rows each phase needs.
 
-    GCN / SAGE: aggregated once per view (``Block.aggregate``); the train rows and the evaluation
-    rows are selected once, and a mini-batch takes its rows from them (exact: no sampling, no
-    extra traffic). GAT: the inputs stay as they are, and a batch of target rows propagates over
-    their in-edges only (the graph restricted to them). Evaluation and the layer's outputs are
-    computed in chunks of ``chunk`` rows, so that memory stays bounded by the batch size.
+    GCN / SAGE (``aggregated``): the aggregates per view; the train rows and the evaluation rows
+    are selected once, and a mini-batch takes its rows from them (exact: no sampling, no extra
+    traffic). GAT (``inputs``): the local inputs stay as they are, and a batch of target rows
+    propagates over their in-edges only (the graph restricted to them). Evaluation and the layer's
+    outputs are computed in chunks of ``chunk`` rows, so that memory stays bounded by the batch size.
     """
 
-    def __init__(self, ctx: WorkerContext, block: Block, inputs: Views, chunk: int | None = None):
+    def __init__(self, ctx: WorkerContext, block: Block, *, aggregated: dict[str, Aggregated] | None = None,
+                 inputs: Views | None = None, chunk: int | None = None):
         self.block, self.chunk = block, chunk
-        self.frozen = block.model != "gat"
+        self.frozen = aggregated is not None
         self.train_rows, self.eval_rows = ctx.train_rows, ctx.eval_rows
-        views = {v: v if v in ctx.views else "full" for v in inputs}
         self.inputs, self.graphs = inputs, ctx.graphs
-        if self.frozen:
-            distinct = {v: block.aggregate(inputs[v], ctx.graphs[v]) for v in ctx.views}
-            self.aggregated: dict[str, Aggregated] = {v: distinct[views[v]] for v in inputs}
-            self.train = self.aggregated["train"].rows(self.train_rows)
-            self.val = self.aggregated["val"].rows(self.eval_rows)
+        if aggregated is not None:
+            self.aggregated = aggregated
+            self.train = aggregated["train"].rows(self.train_rows)
+            self.val = aggregated["val"].rows(self.eval_rows)
         else:
             self.train_graph = ctx.graphs["train"].restrict(self.train_rows)
+
+    @classmethod
+    def exchanged(cls, ctx: WorkerContext, layer: int, block: Block, own: Views) -> "LayerInputs":
+        """The layer's halo exchange and preparation: streamed aggregates (GCN / SAGE) or the local
+        inputs with their halo rows (GAT)."""
+        chunk = ctx.config.batch_size
+        if block.model == "gat":
+            return cls(ctx, block, inputs=gather_inputs(ctx, layer, own), chunk=chunk)
+        return cls(ctx, block, aggregated=streamed_aggregates(ctx, layer, own), chunk=chunk)
 
     def train_outputs(self, gen: torch.Generator, batch: torch.Tensor | None = None) -> torch.Tensor:
         """(b, d_out) block outputs of the train rows ``batch`` (positions among the train rows;
@@ -100,7 +178,7 @@ class LayerInputs:
         if self.frozen:
             return self.block.from_aggregated(self.train if batch is None else self.train.rows(batch), gen)
         graph = self.train_graph if batch is None else self.graphs["train"].restrict(self.train_rows[batch])
-        return self.block(self.inputs["train"], graph, gen)
+        return self.block(self.inputs["train"], graph, gen)  # type: ignore[index]
 
     def val_outputs(self) -> torch.Tensor:
         """(e, d_out) block outputs of the evaluation rows (val view), in chunks."""
@@ -166,17 +244,17 @@ class BatchPlan:
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
 
 
-def train_layer(ctx: WorkerContext, layer: int, inputs: Views) -> LayerResult:
+def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
+    """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included)."""
     cfg, comm = ctx.config, ctx.comm
-    module = new_layer(ctx, layer, inputs["full"].shape[1])
+    module = new_layer(ctx, layer, own["full"].shape[1])
     gen = ctx.generator(layer)  # per-rank dropout masks
     optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay)
     rounds = cfg.layer_rounds(layer)
     best = BestState()
     share = ctx.local_train / max(ctx.train_count, 1)
     train_rows = ctx.train_rows
-    comm.layer, comm.epoch = layer, -1
-    prepared = LayerInputs(ctx, module.block, inputs, cfg.batch_size)
+    prepared = LayerInputs.exchanged(ctx, layer, module.block, own)
     steps = BatchPlan(ctx, cfg.batch_size)
     for round_ in range(rounds):
         comm.epoch = round_
@@ -203,4 +281,4 @@ def train_layer(ctx: WorkerContext, layer: int, inputs: Views) -> LayerResult:
     module.eval()
     with torch.no_grad():
         computed = {v: prepared.outputs(v) for v in ctx.views}
-    return LayerResult(module, {v: computed.get(v, computed["full"]) for v in inputs}, best.round, best.accuracy)
+    return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy)
