@@ -159,12 +159,15 @@ def test_varco_logged_bytes_equal_the_analytic_count(tiny) -> None:
     setup = K * (K - 1) * 8 + 12 * h + ring(8)
     expected = {
         "control": setup + 8 * sum(sampled) + epochs * ring(8 * 9) + ring(8 * 3 * C * C),
-        "halo_features": 4 * F * h + 4 * F * sum(sampled),  # cached once for evaluation + per epoch
-        "halo_embeddings": (2 * epochs + 1) * 4 * HIDDEN * h,  # last layer's inputs: uncompressed
-        "halo_grads": epochs * 4 * HIDDEN * h,
+        "halo_features": 4 * F * h,  # raw features once, cached, as standard does
+        # training forwards: the sampled rows; validation and final forwards: every row
+        "halo_embeddings": 4 * HIDDEN * sum(sampled) + (epochs + 1) * 4 * HIDDEN * h,
+        "halo_grads": 4 * HIDDEN * sum(sampled),  # gradients of the sampled rows only
         "grad_sync": epochs * ring(4 * P),
     }
     assert comm_log(plan) == expected
+    standard = train(store, dataset, partition, config.model_copy(update={"strategy": "standard"}))
+    assert sum(expected.values()) < sum(comm_log(standard).values())
 
 
 @pytest.mark.parametrize("strategy", ["tma", "grappa"])

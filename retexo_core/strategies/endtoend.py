@@ -7,8 +7,9 @@ Every epoch each block's owned activations are sent to the ranks that hold them 
 summed by a ring all-reduce (``grad_sync``). With ``bns_rate`` p < 1 each owner sends only a
 random fraction p of the rows each peer needs (BNS-GCN); edges from unsampled halo nodes are
 dropped for that epoch and GCN keeps the full-graph normalisation. ``varco`` (Cervino et al.)
-sends the inputs of layers 1..L-1 every epoch compressed by a ratio that moves from ``c_max`` to
-``c_min`` over training (see ``varco_plans``), the last layer's inputs uncompressed. Validation forwards (every
+caches the raw features exactly as ``standard`` does and compresses what ``standard`` sends every
+epoch: the boundary activations (and so their gradients) of the hidden layers, by a ratio that moves
+from ``c_max`` to ``c_min`` over training (see ``varco_plans``). Validation forwards (every
 ``eval_every`` epochs, on the val view) are counted too. With one rank this is exactly
 centralized full-graph training.
 """
@@ -56,15 +57,19 @@ def varco_ratio(epoch: int, epochs: int, c_max: float, c_min: float, schedule: s
     return c_max - (c_max - c_min) * epoch / (epochs - 1)
 
 
-def varco_plans(ctx: WorkerContext, epoch: int, rng: np.random.Generator) -> tuple[ExchangePlan, list[ExchangePlan]]:
-    """This epoch's plans: inputs of layers 1..L-1 travel compressed by ratio c (each owner sends a
-    random 1/c of the rows each peer needs, the rest arrive as zeros, as SAR's node compressor
-    does); the last layer's inputs travel uncompressed. One sample per epoch, shared by layers."""
+def varco_plans(ctx: WorkerContext, epoch: int, rng: np.random.Generator) -> list[ExchangePlan]:
+    """This epoch's plans of the exchanges between blocks (inputs of layers 2..L): compressed by
+    ratio c (each owner sends a random 1/c of the rows each peer needs, the rest arrive as zeros, as
+    SAR's node compressor does; their gradients travel back for the same rows only). One sample per
+    epoch, shared by the layers. The paper leaves the last layer's inputs uncompressed; with two
+    layers that would leave nothing to compress, so then they are compressed too (our deviation)."""
     cfg = ctx.config
     ratio = varco_ratio(epoch, cfg.epochs, cfg.varco_c_max, cfg.varco_c_min, cfg.varco_schedule)
     ctx.comm.layer = 0
     compressed = sampled_plan(ctx.comm, ctx.plans["train"], 1.0 / ratio, rng)
-    return compressed, [compressed] * (cfg.layers - 2) + [ctx.plans["train"]]
+    if cfg.layers == 2:
+        return [compressed]
+    return [compressed] * (cfg.layers - 2) + [ctx.plans["train"]]
 
 
 def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
@@ -89,26 +94,23 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
     gen = ctx.generator()
     rng = np.random.default_rng([cfg.seed, comm.rank])
     comm.layer, comm.epoch = 1, -1
-    # raw features once, cached (varco uses them for evaluation only); views that lack a node
-    # have no edge from it
+    # raw features once, cached; views that lack a node have no edge from it
     x_local = stack_rows(data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features"))
-    x_train = x_local
     optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
     best = BestState()
     for epoch in range(cfg.epochs):
         comm.epoch = epoch
-        plan, graph = ctx.plans["train"], ctx.graphs["train"]
+        plan: ExchangePlan | list[ExchangePlan] = ctx.plans["train"]
+        graph = ctx.graphs["train"]
         if cfg.strategy == "varco":
-            features_plan, plan = varco_plans(ctx, epoch, rng)
-            comm.layer = 1
-            x_train = stack_rows(data.x, exchange_rows(comm, features_plan, data.x, "halo_features"))
+            plan = varco_plans(ctx, epoch, rng)
         elif cfg.bns_rate < 1:
             comm.layer = 0
-            plan = sampled_plan(comm, plan, cfg.bns_rate, rng)
+            plan = sampled_plan(comm, ctx.plans["train"], cfg.bns_rate, rng)
             graph = sampled_graph(ctx, plan)
         blocks.train()
         optimizer.zero_grad()
-        outputs = forward(ctx, blocks, x_train, graph, plan, gen)
+        outputs = forward(ctx, blocks, x_local, graph, plan, gen)
         train_loss(ctx, outputs[-1], global_mean=True).backward()
         comm.layer = 0
         sync_gradients(comm, blocks)

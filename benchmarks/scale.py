@@ -1,0 +1,148 @@
+"""The pipeline at growing sizes: ingest, partition, train (retexo GCN, default rounds) and report a
+synthetic graph of 100k, 300k and 1M nodes (average degree 20, the generator's defaults), METIS
+into 8 parts, each stage run as the CLI command a user would type.
+
+It prints per stage the seconds and the peak resident memory of the whole process tree (the
+command and every worker it starts) and of its largest process; per layer the same (memory
+sampled while the layer trained, dated by its manifest); the bytes on the wire by kind and the test
+accuracy; and the fitted growth exponent of time and memory against the number of edges (the
+slope of log(value) against log(edges), least squares). As references it trains ``standard`` on
+the smallest graph (bytes and seconds per epoch) and ``centralized --layerwise`` (accuracy).
+
+    .venv/bin/python benchmarks/scale.py [--sizes 100000,300000,1000000] [--parts 8] [--store DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import Measured, run_measured  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RETEXO = [sys.executable, "-m", "flows.cli"]
+KINDS = ("halo_features", "halo_embeddings", "grad_sync", "control")
+
+
+def retexo(store: Path, *args: str) -> Measured:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return run_measured([*RETEXO, *args, "--store", str(store)], REPO, env)
+
+
+def newest_run(store: Path) -> Path:
+    return max(store.glob("runs/run=*/manifest.json"), key=lambda p: p.stat().st_mtime).parent
+
+
+def layer_phases(run: Path, measured: Measured, started_at: float) -> list[tuple[str, float, int, int]]:
+    """(stage, seconds, peak tree, peak process) of each layer, and of what follows the last one
+    (the run's finalisation), dated by the layer manifests' modification times."""
+    ends = sorted((json.loads((d / "manifest.json").read_text())["layer"], (d / "manifest.json").stat().st_mtime - started_at)
+                  for d in run.glob("layer=*"))
+    phases, begin = [], 0.0
+    for layer, end in ends:
+        seconds = json.loads((run / f"layer={layer}" / "manifest.json").read_text())["seconds"]
+        phases.append((f"train layer {layer}", seconds, *measured.peak_between(begin, end)))
+        begin = end
+    phases.append(("finalise run", measured.seconds - begin, *measured.peak_between(begin, measured.seconds)))
+    return phases
+
+
+def measure_size(store: Path, nodes: int, parts: int) -> dict:
+    import time
+
+    name = f"sbm{nodes // 1000}k"
+    rows = []
+    ingest = retexo(store, "ingest", "synthetic", "--name", name, "--nodes", str(nodes), "--avg-degree", "20")
+    rows.append(("ingest", ingest.seconds, ingest.peak_tree_bytes, ingest.peak_process_bytes))
+    partition = retexo(store, "partition", name, "--parts", str(parts))
+    rows.append(("partition", partition.seconds, partition.peak_tree_bytes, partition.peak_process_bytes))
+    started_at = time.time()
+    train = retexo(store, "train", name, "--parts", str(parts))
+    run = newest_run(store)
+    rows.append(("train (command)", train.seconds, train.peak_tree_bytes, train.peak_process_bytes))
+    rows += layer_phases(run, train, started_at)
+    report = retexo(store, "report", run.name.removeprefix("run="))
+    rows.append(("report", report.seconds, report.peak_tree_bytes, report.peak_process_bytes))
+    manifest = json.loads((run / "manifest.json").read_text())
+    edges = json.loads(next(store.glob(f"datasets/name={name}/fp=*/manifest.json")).read_text())["num_edges"]
+    print(f"  {name}: {edges:,} edges, test accuracy {manifest['test_acc']:.4f}", flush=True)
+    return {"name": name, "nodes": nodes, "edges": edges, "rows": rows, "manifest": manifest}
+
+
+def reference(store: Path, name: str, parts: int, *args: str) -> dict:
+    measured = retexo(store, "train", name, "--parts", str(parts), *args)
+    manifest = json.loads((newest_run(store) / "manifest.json").read_text())
+    return {"seconds": measured.seconds, "manifest": manifest}
+
+
+def exponent(edges: list[int], values: list[float]) -> float:
+    """Slope of log(value) against log(edges)."""
+    if len(edges) < 2 or min(values) <= 0:
+        return float("nan")
+    return float(np.polyfit(np.log(edges), np.log(values), 1)[0])
+
+
+def gb(value: float) -> str:
+    return f"{value / 1e9:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="100000,300000,1000000")
+    parser.add_argument("--parts", type=int, default=8)
+    parser.add_argument("--store", type=Path, default=None)
+    parser.add_argument("--reference-epochs", type=int, default=20, help="epochs of the standard reference")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="retexo-scale-") as tmp:
+        store = args.store or Path(tmp) / "store"
+        results = [measure_size(store, n, args.parts) for n in sizes]
+        small = results[0]["name"]
+        standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs", str(args.reference_epochs))
+        layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise")
+
+    print("\n| graph | edges | stage | seconds | peak RSS, process tree (GB) | peak RSS, largest process (GB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        for stage, seconds, tree, largest in r["rows"]:
+            print(f"| {r['name']} | {r['edges']:,} | {stage} | {seconds:.1f} | {gb(tree)} | {gb(largest)} |")
+
+    print("\n| graph | test acc | total MB | " + " | ".join(f"{k} MB" for k in KINDS) + " | train s per round |")
+    print("|---|---|---|" + "---|" * len(KINDS) + "---|")
+    for r in results:
+        m = r["manifest"]
+        rounds = sum(m["config"]["rounds"]) if isinstance(m["config"]["rounds"], list) else m["config"]["rounds"] * m["config"]["layers"]
+        print(f"| {r['name']} | {m['test_acc']:.4f} | {m['total_bytes'] / 1e6:,.1f} | "
+              + " | ".join(f"{m['bytes_by_kind'].get(k, 0) / 1e6:,.1f}" for k in KINDS)
+              + f" | {m['wall_s'] / rounds:.3f} |")
+    s = standard["manifest"]
+    print(f"\nreference on {small}: standard, {s['config']['epochs']} epochs: {s['wall_s'] / s['config']['epochs']:.3f} s per "
+          f"epoch inside the workers, {s['total_bytes'] / 1e6:,.1f} MB in total "
+          f"({s['total_bytes'] / s['config']['epochs'] / 1e6:,.1f} MB per epoch), test acc {s['test_acc']:.4f}")
+    print(f"reference on {small}: centralized layer-wise test acc {layerwise['manifest']['test_acc']:.4f}")
+
+    edges = [r["edges"] for r in results]
+    print("\ngrowth exponents against edges (1.0 = linear):")
+    for stage in ("ingest", "partition", "train (command)", "report"):
+        seconds = [next(row[1] for row in r["rows"] if row[0] == stage) for r in results]
+        memory = [next(row[2] for row in r["rows"] if row[0] == stage) for r in results]
+        print(f"  {stage}: time {exponent(edges, seconds):.2f}, memory {exponent(edges, memory):.2f}")
+    total = [sum(row[1] for row in r["rows"] if row[0] in ("ingest", "partition", "train (command)")) for r in results]
+    peak = [max(row[2] for row in r["rows"]) for r in results]
+    print(f"  ingest + partition + train: time {exponent(edges, total):.2f}, peak memory {exponent(edges, peak):.2f}")
+    print("wall time of ingest + partition + train: "
+          + ", ".join(f"{r['name']} {math.fsum(row[1] for row in r['rows'] if row[0] in ('ingest', 'partition', 'train (command)')):.0f} s"
+                      for r in results))
+
+
+if __name__ == "__main__":
+    main()
