@@ -1,4 +1,4 @@
-"""The pipeline at growing sizes: ingest, partition, train (retexo GCN, default rounds) and report a
+"""The pipeline at growing sizes: ingest, partition, train (retexo GCN and SAGE, default rounds) and report a
 synthetic graph of 100k, 300k and 1M nodes (average degree 20, the generator's defaults), METIS
 into 8 parts, each stage run as the CLI command a user would type.
 
@@ -42,7 +42,7 @@ def newest_run(store: Path) -> Path:
     return max(store.glob("runs/run=*/manifest.json"), key=lambda p: p.stat().st_mtime).parent
 
 
-def layer_phases(run: Path, measured: Measured, started_at: float) -> list[tuple[str, float, int, int]]:
+def layer_phases(run: Path, measured: Measured, started_at: float, model: str) -> list[tuple[str, float, int, int]]:
     """(stage, seconds, peak tree, peak process) of each layer, and of what follows the last one
     (the run's finalisation), dated by the layer manifests' modification times."""
     ends = sorted((json.loads((d / "manifest.json").read_text())["layer"], (d / "manifest.json").stat().st_mtime - started_at)
@@ -50,32 +50,33 @@ def layer_phases(run: Path, measured: Measured, started_at: float) -> list[tuple
     phases, begin = [], 0.0
     for layer, end in ends:
         seconds = json.loads((run / f"layer={layer}" / "manifest.json").read_text())["seconds"]
-        phases.append((f"train layer {layer}", seconds, *measured.peak_between(begin, end)))
+        phases.append((f"{model} layer {layer}", seconds, *measured.peak_between(begin, end)))
         begin = end
-    phases.append(("finalise run", measured.seconds - begin, *measured.peak_between(begin, measured.seconds)))
+    phases.append((f"{model} finalise run", measured.seconds - begin, *measured.peak_between(begin, measured.seconds)))
     return phases
 
 
-def measure_size(store: Path, nodes: int, parts: int) -> dict:
+def measure_size(store: Path, nodes: int, parts: int, models: list[str]) -> dict:
     import time
 
     name = f"sbm{nodes // 1000}k"
-    rows = []
+    rows, manifests = [], {}
     ingest = retexo(store, "ingest", "synthetic", "--name", name, "--nodes", str(nodes), "--avg-degree", "20")
     rows.append(("ingest", ingest.seconds, ingest.peak_tree_bytes, ingest.peak_process_bytes))
     partition = retexo(store, "partition", name, "--parts", str(parts))
     rows.append(("partition", partition.seconds, partition.peak_tree_bytes, partition.peak_process_bytes))
-    started_at = time.time()
-    train = retexo(store, "train", name, "--parts", str(parts))
-    run = newest_run(store)
-    rows.append(("train (command)", train.seconds, train.peak_tree_bytes, train.peak_process_bytes))
-    rows += layer_phases(run, train, started_at)
-    report = retexo(store, "report", run.name.removeprefix("run="))
-    rows.append(("report", report.seconds, report.peak_tree_bytes, report.peak_process_bytes))
-    manifest = json.loads((run / "manifest.json").read_text())
+    for model in models:
+        started_at = time.time()
+        train = retexo(store, "train", name, "--parts", str(parts), "--model", model)
+        run = newest_run(store)
+        rows.append((f"train {model} (command)", train.seconds, train.peak_tree_bytes, train.peak_process_bytes))
+        rows += layer_phases(run, train, started_at, model)
+        report = retexo(store, "report", run.name.removeprefix("run="))
+        rows.append((f"{model} report", report.seconds, report.peak_tree_bytes, report.peak_process_bytes))
+        manifests[model] = json.loads((run / "manifest.json").read_text())
+        print(f"  {name} {model}: test accuracy {manifests[model]['test_acc']:.4f}", flush=True)
     edges = json.loads(next(store.glob(f"datasets/name={name}/fp=*/manifest.json")).read_text())["num_edges"]
-    print(f"  {name}: {edges:,} edges, test accuracy {manifest['test_acc']:.4f}", flush=True)
-    return {"name": name, "nodes": nodes, "edges": edges, "rows": rows, "manifest": manifest}
+    return {"name": name, "nodes": nodes, "edges": edges, "rows": rows, "manifests": manifests}
 
 
 def reference(store: Path, name: str, parts: int, *args: str) -> dict:
@@ -100,12 +101,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,300000,1000000")
     parser.add_argument("--parts", type=int, default=8)
     parser.add_argument("--store", type=Path, default=None)
+    parser.add_argument("--models", default="gcn,sage", help="retexo models trained at every size")
     parser.add_argument("--reference-epochs", type=int, default=20, help="epochs of the standard reference")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="retexo-scale-") as tmp:
         store = args.store or Path(tmp) / "store"
-        results = [measure_size(store, n, args.parts) for n in sizes]
+        results = [measure_size(store, n, args.parts, models) for n in sizes]
         small = results[0]["name"]
         standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs", str(args.reference_epochs))
         layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise")
@@ -116,12 +119,12 @@ def main() -> None:
         for stage, seconds, tree, largest in r["rows"]:
             print(f"| {r['name']} | {r['edges']:,} | {stage} | {seconds:.1f} | {gb(tree)} | {gb(largest)} |")
 
-    print("\n| graph | test acc | total MB | " + " | ".join(f"{k} MB" for k in KINDS) + " | train s per round |")
-    print("|---|---|---|" + "---|" * len(KINDS) + "---|")
-    for r in results:
-        m = r["manifest"]
+    print("\n| graph | model | test acc | total MB | " + " | ".join(f"{k} MB" for k in KINDS) + " | train s per round |")
+    print("|---|---|---|---|" + "---|" * len(KINDS) + "---|")
+    for r, model in ((r, model) for r in results for model in models):
+        m = r["manifests"][model]
         rounds = sum(m["config"]["rounds"]) if isinstance(m["config"]["rounds"], list) else m["config"]["rounds"] * m["config"]["layers"]
-        print(f"| {r['name']} | {m['test_acc']:.4f} | {m['total_bytes'] / 1e6:,.1f} | "
+        print(f"| {r['name']} | {model} | {m['test_acc']:.4f} | {m['total_bytes'] / 1e6:,.1f} | "
               + " | ".join(f"{m['bytes_by_kind'].get(k, 0) / 1e6:,.1f}" for k in KINDS)
               + f" | {m['wall_s'] / rounds:.3f} |")
     s = standard["manifest"]
@@ -132,15 +135,16 @@ def main() -> None:
 
     edges = [r["edges"] for r in results]
     print("\ngrowth exponents against edges (1.0 = linear):")
-    for stage in ("ingest", "partition", "train (command)", "report"):
+    for stage in ("ingest", "partition", *(f"train {model} (command)" for model in models)):
         seconds = [next(row[1] for row in r["rows"] if row[0] == stage) for r in results]
         memory = [next(row[2] for row in r["rows"] if row[0] == stage) for r in results]
         print(f"  {stage}: time {exponent(edges, seconds):.2f}, memory {exponent(edges, memory):.2f}")
-    total = [sum(row[1] for row in r["rows"] if row[0] in ("ingest", "partition", "train (command)")) for r in results]
-    peak = [max(row[2] for row in r["rows"]) for r in results]
-    print(f"  ingest + partition + train: time {exponent(edges, total):.2f}, peak memory {exponent(edges, peak):.2f}")
-    print("wall time of ingest + partition + train: "
-          + ", ".join(f"{r['name']} {math.fsum(row[1] for row in r['rows'] if row[0] in ('ingest', 'partition', 'train (command)')):.0f} s"
+    pipeline = ("ingest", "partition", f"train {models[0]} (command)")
+    total = [sum(row[1] for row in r["rows"] if row[0] in pipeline) for r in results]
+    peak = [max(row[2] for row in r["rows"] if row[0] in pipeline or row[0].startswith(f"{models[0]} ")) for r in results]
+    print(f"  ingest + partition + train {models[0]}: time {exponent(edges, total):.2f}, peak memory {exponent(edges, peak):.2f}")
+    print(f"wall time of ingest + partition + train {models[0]}: "
+          + ", ".join(f"{r['name']} {math.fsum(row[1] for row in r['rows'] if row[0] in pipeline):.0f} s"
                       for r in results))
 
 
