@@ -3,8 +3,8 @@
 For Cora (bundled) and a synthetic graph (200,000 nodes, average degree 20, 64 features; METIS
 into 4 parts), it runs the ``retexo train`` command (a subprocess, as a user runs it) for retexo
 (4 workers), centralized, centralized layer-wise and standard, and a plain PyG GCN written here
-(2 layers, full batch, one process, PyG's ``GCNConv(cached=True)``, validation every epoch as in
-PyG's example). It prints one table: the wall time of the whole command, the training seconds
+(``benchmarks/pyg_reference.py``: 2 layers, full batch, one process, ``GCNConv(cached=True)``,
+validation every epoch as in PyG's example). It prints one table: the wall time of the whole command, the training seconds
 inside the workers, milliseconds per round (layer-wise: per round of one layer; end to end: per
 epoch), test accuracy, and every time as a ratio to the PyG reference of the same graph.
 
@@ -26,69 +26,21 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
-import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from graphstore.ingest.api import ingest_planetoid, ingest_synthetic  # noqa: E402
 from graphstore.ingest.splits import SplitFractions  # noqa: E402
 from graphstore.ingest.synthetic import SyntheticOptions  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef  # noqa: E402
-from graphstore.parquet_io import features_of  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
+from pyg_reference import load_plain, pyg_reference  # noqa: E402
 
 RETEXO = [sys.executable, "-m", "flows.cli"]
-
-
-def pyg_reference(dataset: DatasetRef, hidden: int, epochs: int) -> dict[str, float]:
-    """Plain PyG: two GCNConv layers, dense features, full batch, Adam, best validation epoch."""
-    from torch_geometric.nn import GCNConv
-
-    nodes = pq.read_table(dataset.path / "nodes.parquet", columns=["label", "split"])
-    features = pq.read_table(dataset.path / "features.parquet")
-    x = features_of(features, dataset.num_features)
-    x = torch.from_numpy(x.toarray() if hasattr(x, "toarray") else x).float()
-    edges = pq.read_table(dataset.path / "edges.parquet")
-    edge_index = torch.from_numpy(np.stack([edges.column("src").to_numpy(), edges.column("dst").to_numpy()]))
-    y = torch.from_numpy(nodes.column("label").to_numpy())
-    split = nodes.column("split").to_numpy(zero_copy_only=False)
-    masks = {s: torch.from_numpy(split == s) for s in ("train", "val", "test")}
-
-    class GCN(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv1 = GCNConv(x.shape[1], hidden, cached=True)
-            self.conv2 = GCNConv(hidden, dataset.num_classes, cached=True)
-
-        def forward(self) -> torch.Tensor:
-            h = F.dropout(x, 0.5, self.training)
-            h = F.relu(self.conv1(h, edge_index))
-            return self.conv2(F.dropout(h, 0.5, self.training), edge_index)
-
-    torch.manual_seed(0)
-    model = GCN()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
-    best_val, test_at_best = -1.0, 0.0
-    started = time.perf_counter()
-    for _ in range(epochs):
-        model.train()
-        optimizer.zero_grad()
-        F.cross_entropy(model()[masks["train"]], y[masks["train"]]).backward()
-        optimizer.step()
-        model.eval()
-        with torch.no_grad():
-            pred = model().argmax(1)
-        val = float((pred[masks["val"]] == y[masks["val"]]).float().mean())
-        if val > best_val:
-            best_val, test_at_best = val, float((pred[masks["test"]] == y[masks["test"]]).float().mean())
-    seconds = time.perf_counter() - started
-    return {"wall_s": seconds, "train_s": seconds, "rounds": epochs, "test_acc": test_at_best}
 
 
 def retexo_train(store: Path, dataset: str, args: list[str]) -> dict[str, float]:
@@ -113,7 +65,7 @@ def measure_graph(store: Path, dataset: DatasetRef, hidden: int, rounds: int,
                   epochs: int) -> list[tuple[str, dict[str, float]]]:
     common = ["--hidden", str(hidden), "--rounds", str(rounds), "--epochs", str(epochs)]
     partition = ["--partition-method", "metis", "--parts", "4"]
-    rows = [("plain PyG GCN (1 process)", pyg_reference(dataset, hidden, epochs))]
+    rows = [("plain PyG GCN (1 process)", pyg_reference(load_plain(dataset), "gcn", hidden, epochs))]
     for label, extra in (
         ("retexo (4 workers)", ["--strategy", "retexo", *partition]),
         ("centralized", ["--strategy", "centralized"]),

@@ -55,6 +55,14 @@ class TrainConfig(BaseModel):
     dropout: float = option(0.5, "Dropout rate (layer-wise training: on the aggregated inputs of a layer; "
                             "end-to-end: on every block's input).", scope="layer", ge=0, lt=1)
     weight_decay: float = option(5e-4, "Adam weight decay.", scope="layer", ge=0)
+    weight_decay_layers: Literal["first", "all"] = option(
+        "first", "Layers whose parameters get the weight decay: first (Kipf & Welling) or all.", scope="layer")
+    norm: Literal["none", "layer"] = option(
+        "none", "Normalisation in hidden blocks: none (conv -> ReLU) or layer (conv -> LayerNorm -> ReLU).",
+        scope="layer")
+    patience: int | None = option(None, "Early stopping: stop a layer (or an end-to-end run) when validation "
+                                  "accuracy has not improved for this many rounds or epochs; none = never.",
+                                  scope="layer", ge=1)
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line).", scope="per_layer",
                                      strategies=("retexo", "centralized"))
@@ -130,6 +138,13 @@ class TrainConfig(BaseModel):
 
     def layer_lr(self, layer: int) -> float:
         return float(self.per_layer("lr", layer))
+
+    @property
+    def uses_norm(self) -> bool:
+        return self.norm == "layer"
+
+    def decays_layer(self, layer: int) -> bool:
+        return self.weight_decay_layers == "all" or layer == 1
 
     @property
     def is_layerwise(self) -> bool:

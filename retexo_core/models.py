@@ -1,6 +1,7 @@
 """GNN blocks on sparse local graphs: GCN, GraphSAGE (mean) and GAT (multi-head).
 
-A model is a stack of blocks ``conv -> LayerNorm -> ReLU`` with a last block ``conv -> classes``.
+A model is a stack of blocks ``conv -> ReLU`` (``conv -> LayerNorm -> ReLU`` with ``norm``) with a
+last block ``conv -> classes``.
 The convs' parameters have PyG's names and initialisation (``GCNConv``, ``SAGEConv`` with mean
 aggregation, ``GATConv``: a state dict loads into PyG's conv, and the tests compare with it), but
 workers do not import PyG; propagation is ours, by sparse matrix products on a *local graph*: rows
@@ -236,15 +237,18 @@ def _drop(x: Features, p: float, gen: torch.Generator | None, training: bool) ->
 
 
 class Block(nn.Module):
-    """``conv -> LayerNorm -> ReLU`` (hidden) or ``conv`` (last layer); dropout rate ``dropout``."""
+    """``conv -> ReLU`` (hidden; ``conv -> LayerNorm -> ReLU`` with ``norm``) or ``conv`` (last layer);
+    dropout rate ``dropout``."""
 
-    def __init__(self, model: ModelName, in_dim: int, out_dim: int, heads: int, dropout: float, last: bool):
+    def __init__(self, model: ModelName, in_dim: int, out_dim: int, heads: int, dropout: float, last: bool,
+                 norm: bool = False):
         super().__init__()
         self.model = model
         self.p = dropout
         self.out_dim = out_dim
+        self.last = last
         self.conv = make_conv(model, in_dim, out_dim, heads, last)
-        self.norm = None if last else nn.LayerNorm(out_dim)
+        self.norm = nn.LayerNorm(out_dim) if norm and not last else None
 
     # -- propagation -----------------------------------------------------------------------
     def propagate(self, x: Features, graph: LocalGraph) -> torch.Tensor:
@@ -264,7 +268,9 @@ class Block(nn.Module):
         return out + conv.bias
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.norm is None else torch.relu(self.norm(out))
+        if self.last:
+            return out
+        return torch.relu(out if self.norm is None else self.norm(out))
 
     def forward(self, x: Features, graph: LocalGraph, gen: torch.Generator | None = None) -> torch.Tensor:
         """(N, in) local inputs -> (n, out): dropout on the inputs, propagation, norm and ReLU."""
@@ -287,7 +293,7 @@ class LayerWithHead(nn.Module):
     def __init__(self, block: Block, num_classes: int):
         super().__init__()
         self.block = block
-        self.head = None if block.norm is None else nn.Linear(block.out_dim, num_classes)
+        self.head = None if block.last else nn.Linear(block.out_dim, num_classes)
 
     def logits(self, h: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         """(rows, out) block outputs -> (rows, classes); the last layer's outputs are the logits."""
@@ -301,10 +307,10 @@ def layer_dims(in_dim: int, hidden: int, num_classes: int, layers: int) -> list[
 
 
 def build_blocks(model: ModelName, in_dim: int, hidden: int, num_classes: int, layers: int, heads: int,
-                 dropout: float, seed: int = 0) -> nn.ModuleList:
+                 dropout: float, seed: int = 0, norm: bool = False) -> nn.ModuleList:
     """The full model as a list of blocks (standard / centralized / varco / tma / grappa)."""
     dims = layer_dims(in_dim, hidden, num_classes, layers)
     with seeded(seed):
         return nn.ModuleList(
-            Block(model, i, o, heads, dropout, last=(k == layers - 1)) for k, (i, o) in enumerate(dims)
+            Block(model, i, o, heads, dropout, last=(k == layers - 1), norm=norm) for k, (i, o) in enumerate(dims)
         )

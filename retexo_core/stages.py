@@ -95,7 +95,7 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
         ctx.comm.barrier_uncounted()  # every rank has written its part
         if ctx.comm.rank == 0:
-            summary = LayerSummary(layer, result.best_round, result.best_val, cfg.layer_rounds(layer),
+            summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds,
                                    time.perf_counter() - started)
             sink.commit_layer(summary, result.module.state_dict(), history_table(ctx, layer), evaluation)
         log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far",
@@ -132,6 +132,6 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
     for layer in layers:
         last = layer == layers[-1]
-        summary = LayerSummary(layer, result.best_round, result.best_val, cfg.epochs, seconds if last else 0.0, dropped)
+        summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped)
         sink.commit_layer(summary, result.blocks[layer - 1].state_dict(),
                           history_table(ctx, None) if last else None, evaluation if last else None)

@@ -111,9 +111,15 @@ def train_loss(ctx: WorkerContext, logits: torch.Tensor, global_mean: bool,
     return total / max(ctx.train_count if global_mean else ctx.local_train, 1)
 
 
-def adam(module: nn.Module, lr: float, weight_decay: float) -> torch.optim.Adam:
-    """Adam over the module's parameters (the fused CPU kernel: one pass over all parameters)."""
-    return torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+def adam(module: nn.Module, lr: float, weight_decay: float, decayed: nn.Module | None = None) -> torch.optim.Adam:
+    """Adam over the module's parameters (the fused CPU kernel); weight decay on the parameters of
+    ``decayed`` only (all of them when None)."""
+    if decayed is None:
+        return torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    chosen = {id(p) for p in decayed.parameters()}
+    groups = [{"params": [p for p in module.parameters() if id(p) in chosen], "weight_decay": weight_decay},
+              {"params": [p for p in module.parameters() if id(p) not in chosen], "weight_decay": 0.0}]
+    return torch.optim.Adam([g for g in groups if g["params"]], lr=lr, fused=True)
 
 
 def flat_grads(module: nn.Module) -> torch.Tensor:
@@ -202,6 +208,11 @@ class BestState:
         if self.state is None or score > self.accuracy:
             self.accuracy, self.round = score, round_
             self.state = copy.deepcopy(module.state_dict())
+
+    def stale(self, round_: int, patience: int | None) -> bool:
+        """True when the best is ``patience`` or more rounds old (the same on every rank: validation
+        accuracy is global)."""
+        return patience is not None and round_ - self.round >= patience
 
     def restore(self, module: nn.Module) -> None:
         if self.state is not None:

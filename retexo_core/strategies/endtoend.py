@@ -24,6 +24,7 @@ from torch import nn
 
 from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
 from retexo_core.models import Features, LocalGraph, build_blocks
+from retexo_core.config import TrainConfig
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
 
 
@@ -33,6 +34,7 @@ class EndToEndResult:
     outputs: dict[str, list[torch.Tensor]]  # view -> per layer (n, d_l) owned outputs of the best model
     best_round: int
     best_val: float
+    epochs: int  # epochs trained (fewer than configured after early stopping)
 
 
 def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
@@ -85,7 +87,12 @@ def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
     cfg = ctx.config
     return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads,
-                        cfg.dropout, cfg.seed * 1000)
+                        cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm)
+
+
+def new_optimizer(cfg: TrainConfig, blocks: nn.ModuleList) -> torch.optim.Adam:
+    """Adam with the weight decay on the first block (or all, see ``weight_decay_layers``)."""
+    return adam(blocks, cfg.layer_lr(1), cfg.weight_decay, None if cfg.weight_decay_layers == "all" else blocks[0])
 
 
 def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
@@ -96,7 +103,7 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
     comm.layer, comm.epoch = 1, -1
     # raw features once, cached; views that lack a node have no edge from it
     x_local = stack_rows(data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features"))
-    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
+    optimizer = new_optimizer(cfg, blocks)
     best = BestState()
     for epoch in range(cfg.epochs):
         comm.epoch = epoch
@@ -119,10 +126,13 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs,
                  lambda: forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1], best)
+        if best.stale(epoch, cfg.patience):
+            break
     best.restore(blocks)
+    trained = epoch + 1
     blocks.eval()
     comm.epoch = -1
     with torch.no_grad():
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
     outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
-    return EndToEndResult(blocks, outputs, best.round, best.accuracy)
+    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained)

@@ -54,7 +54,7 @@ from retexo_core.strategies.common import (
     sync_gradients,
     validate,
 )
-from retexo_core.strategies.endtoend import EndToEndResult, forward, new_model
+from retexo_core.strategies.endtoend import EndToEndResult, forward, new_model, new_optimizer
 
 T = TypeVar("T")
 log = logging.getLogger("retexo.train")
@@ -144,7 +144,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
     cfg, comm, data = ctx.config, ctx.comm, ctx.data
     blocks = new_model(ctx)
     gen = ctx.generator()
-    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
+    optimizer = new_optimizer(cfg, blocks)
     mask, best = data.masks["train"], BestState()
     tolerant = Tolerant(ctx)
     last_aggregation = time.monotonic()
@@ -169,7 +169,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best,
                  lambda logits: tolerant(lambda: split_stats(ctx, logits), lambda: None))
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs)
 
 
 def average_by_train_count(comm: Communicator, module: nn.Module, count: int) -> None:
@@ -217,7 +217,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
     cfg, comm = ctx.config, ctx.comm
     blocks = new_model(ctx)
     gen = ctx.generator()
-    optimizer = adam(blocks, cfg.layer_lr(1), cfg.weight_decay)
+    optimizer = new_optimizer(cfg, blocks)
     best = BestState()
     comm.layer = 0
     for epoch in range(cfg.epochs):
@@ -239,7 +239,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best)
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs)
 
 
 def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerContext, dict[str, list[torch.Tensor]]]:

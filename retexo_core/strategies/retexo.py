@@ -51,6 +51,7 @@ class LayerResult:
     outputs: dict[str, torch.Tensor]  # (n, d_out) owned outputs per view (logits for the last layer)
     best_round: int
     best_val: float
+    rounds: int  # rounds trained (fewer than configured after early stopping)
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -129,7 +130,7 @@ def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
     cfg = ctx.config
     _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.data.num_classes, cfg.layers)[layer - 1]
     with seeded(cfg.seed * 1000 + layer):
-        block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers))
+        block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm)
         return LayerWithHead(block, ctx.data.num_classes)
 
 
@@ -249,7 +250,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
     cfg, comm = ctx.config, ctx.comm
     module = new_layer(ctx, layer, own["full"].shape[1])
     gen = ctx.generator(layer)  # per-rank dropout masks
-    optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay)
+    optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
     rounds = cfg.layer_rounds(layer)
     best = BestState()
     share = ctx.local_train / max(ctx.train_count, 1)
@@ -277,8 +278,12 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
             continue
         validate(ctx, module, layer, round_, rounds, lambda: module.logits(prepared.val_outputs()), best,
                  rows=prepared.eval_rows)
+        if best.stale(round_, cfg.patience):
+            break
     best.restore(module)
+    trained = round_ + 1
     module.eval()
     with torch.no_grad():
         computed = {v: prepared.outputs(v) for v in ctx.views}
-    return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy)
+    return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
+                       trained)
