@@ -30,11 +30,11 @@ def cora(store: Store) -> DatasetRef:
 
 
 def dense_sbm(store: Store, nodes: int, degree: float) -> DatasetRef:
-    """A Reddit-like dense graph: SBM with average degree ``degree``, 10 classes, 32 features."""
+    """A Reddit-like dense graph: SBM with average degree ``degree``, 32 features, otherwise the
+    generator's defaults (10 classes, homophily 0.3, class overlap and feature noise: not easy)."""
     return ingest_synthetic(
         store, "sbm-dense",
-        SyntheticOptions(nodes=nodes, avg_degree=degree, classes=10, features=32, homophily=0.6,
-                         feature_signal=0.3, seed=0),
+        SyntheticOptions(nodes=nodes, avg_degree=degree, features=32, seed=0),
         SplitFractions(train=0.1, val=0.1, seed=0),
     )
 

@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None, help="reuse a store (finished runs are not redone)")
     parser.add_argument("--plot-dir", type=Path, default=Path("."))
     args = parser.parse_args()
+    args.plot_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="retexo-bench-") as tmp:
         store = Store.open(args.store or Path(tmp) / "store")
         compare(f"Cora, {args.parts} partitions, GCN, {args.rounds} rounds/epochs", store, cora(store), args.parts,

@@ -40,7 +40,7 @@ def load_plain(dataset: DatasetRef) -> PlainGraph:
     edges = pq.read_table(dataset.path / "edges.parquet")
     edge_index = torch.from_numpy(np.stack([edges.column("src").to_numpy(), edges.column("dst").to_numpy()]))
     split = nodes.column("split").to_numpy(zero_copy_only=False)
-    return PlainGraph(x, edge_index.long(), torch.from_numpy(nodes.column("label").to_numpy()).long(),
+    return PlainGraph(x, edge_index.long(), torch.from_numpy(nodes.column("label").to_numpy().copy()).long(),
                       {s: torch.from_numpy(split == s) for s in ("train", "val", "test")})
 
 

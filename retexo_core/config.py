@@ -62,7 +62,7 @@ class TrainConfig(BaseModel):
         scope="layer")
     patience: int | None = option(None, "Early stopping: stop a layer (or an end-to-end run) when validation "
                                   "accuracy has not improved for this many rounds or epochs; none = never.",
-                                  scope="layer", ge=1)
+                                  scope="layer", strategies=("retexo", "centralized", "standard", "varco"), ge=1)
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line).", scope="per_layer",
                                      strategies=("retexo", "centralized"))

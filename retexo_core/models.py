@@ -99,23 +99,21 @@ class LocalGraph:
         """The targets' own rows of local inputs ``x``."""
         return first_rows(x, self.num_owned) if self.targets is None else rows_of(x, self.targets)
 
-    def without_sources(self, absent: torch.Tensor) -> "LocalGraph":
-        """The graph without the edges from the sources ``absent`` ((N,) bool), e.g. halo nodes that
-        sent nothing this epoch (BNS-GCN). GCN keeps its weights (the full graph's normalisation)
-        and SAGE averages over the remaining in-edges, both on the same structure (zero values for
-        the dropped edges); GAT's softmax must not see the dropped edges, so its structure is rebuilt."""
+    def reweighted_sources(self, scale: torch.Tensor) -> "LocalGraph":
+        """BNS-GCN's graph of one epoch: every edge's weight multiplied by its source's ``scale``
+        ((N,) float: 0 for halo nodes that sent nothing this epoch, 1/(fraction sent) for the rows
+        a peer did send, 1 for owned nodes), so that A·X over the sampled rows is an unbiased
+        estimate of A·X over all of them (GCN and SAGE keep the full graph's normalisation, as
+        BNS-GCN's owners scale their sent rows by 1/rate). GAT's softmax must not see the dropped
+        edges and renormalises over the rest, so its structure is rebuilt without them, unscaled."""
         adj = self.adj
-        kept = ~absent[adj.col]
         if self.model == "gat":
+            kept = scale[adj.col] > 0
             rows = adj.row_index()[kept]
             return LocalGraph(SparseMatrix.from_coo(rows, adj.col[kept], None, adj.shape), self.num_owned,
                               self.model, self.targets)
-        weight = kept.to(adj.val.dtype)
-        if self.model == "gcn":
-            return LocalGraph(adj.with_values(adj.val * weight), self.num_owned, self.model, self.targets)
-        rows = adj.row_index()
-        count = torch.zeros(adj.shape[0], dtype=weight.dtype).index_add_(0, rows, weight)
-        return LocalGraph(adj.with_values(weight / count.clamp_min(1)[rows]), self.num_owned, self.model, self.targets)
+        return LocalGraph(adj.with_values(adj.val * scale[adj.col].to(adj.val.dtype)), self.num_owned, self.model,
+                          self.targets)
 
 
 def local_graph(model: ModelName, src: np.ndarray, dst: np.ndarray, degree: torch.Tensor, num_owned: int,

@@ -169,9 +169,10 @@ def test_row_normalisation_changes_only_the_features(cora, tiny) -> None:
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
-def test_dropping_sources_equals_building_the_graph_without_their_edges(model: str) -> None:
-    """BNS-GCN's per-epoch graph: the run's adjacency without the edges from unsampled halo nodes
-    is the graph built from the remaining edges (GCN keeping the full graph's normalisation)."""
+def test_bns_graph_scales_the_sampled_sources_and_drops_the_others(model: str) -> None:
+    """BNS-GCN's per-epoch graph: GCN and SAGE keep the full graph's weights, multiplied by each
+    source's scale (0 = not sampled, 1/rate = sampled); GAT is the graph built from the edges of
+    the sampled sources only."""
     import numpy as np
 
     from retexo_core.halo import in_degree
@@ -183,10 +184,14 @@ def test_dropping_sources_equals_building_the_graph_without_their_edges(model: s
     keys = np.unique(src * (n + h) + dst)
     src, dst = keys // (n + h), keys % (n + h)
     degree = torch.from_numpy(in_degree(n + h, src, dst))
-    absent = torch.zeros(n + h, dtype=torch.bool)
-    absent[n + torch.from_numpy(rng.choice(h, 5, replace=False))] = True
-    dropped = local_graph(model, src, dst, degree, n, n + h).without_sources(absent)
-    rebuilt = local_graph(model, src, dst, degree, n, n + h, keep=~absent.numpy()[src])
-    torch.testing.assert_close(dropped.adj.to_dense(), rebuilt.adj.to_dense())
+    scale = torch.ones(n + h)
+    scale[n:] = 2.5
+    scale[n + torch.from_numpy(rng.choice(h, 5, replace=False))] = 0.0
+    full = local_graph(model, src, dst, degree, n, n + h)
+    sampled = full.reweighted_sources(scale)
     if model == "gat":
-        assert dropped.adj.nnz == rebuilt.adj.nnz
+        rebuilt = local_graph(model, src, dst, degree, n, n + h, keep=scale.numpy()[src] > 0)
+        torch.testing.assert_close(sampled.adj.to_dense(), rebuilt.adj.to_dense())
+        assert sampled.adj.nnz == rebuilt.adj.nnz
+    else:
+        torch.testing.assert_close(sampled.adj.to_dense(), full.adj.to_dense() * scale[None, :])

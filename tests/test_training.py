@@ -52,6 +52,40 @@ def test_retexo_validates_every_eval_every_rounds_and_at_the_last(tiny) -> None:
     assert sorted(set(zip(curves["layer"], curves["round"]))) == [(1, 1), (1, 3), (1, 4), (2, 1), (2, 3)]
 
 
+def _stopped_rounds(curves: pd.DataFrame, layer: int, patience: int, configured: int) -> int:
+    """Rounds an early-stopped layer trains: through the first best validation round + patience."""
+    val = curves[(curves["layer"] == layer) & (curves["split"] == "val")].sort_values("round")
+    best = int(val["round"].to_numpy()[int(np.argmax(val["acc"].to_numpy()))])  # first best wins
+    return min(configured, best + patience + 1)
+
+
+def test_retexo_early_stopping_trains_through_best_plus_patience_and_logs_those_rounds(tiny) -> None:
+    store, dataset, partition = tiny
+    rounds, patience = (40, 40), 3
+    plan = train(store, dataset, partition, small_config(rounds=list(rounds), patience=patience, lr=0.2))
+    curves = pq.read_table(store.run_dir(plan.run_fp) / "metrics.parquet").to_pandas()
+    trained = [_stopped_rounds(curves, l, patience, rounds[l - 1]) for l in (1, 2)]
+    assert trained[0] < rounds[0]  # it did stop early
+    for layer, count in zip((1, 2), trained):
+        manifest = json.loads((store.run_dir(plan.run_fp) / f"layer={layer}" / "manifest.json").read_text())
+        assert manifest["rounds"] == count
+        assert curves[curves["layer"] == layer]["round"].max() == count - 1
+    p1 = params(LayerWithHead(Block("gcn", F, HIDDEN, 4, 0.0, last=False), C))
+    p2 = params(LayerWithHead(Block("gcn", HIDDEN, C, 4, 0.0, last=True), C))
+    assert comm_log(plan)["grad_sync"] == trained[0] * ring(4 * p1) + trained[1] * ring(4 * p2)
+
+
+def test_standard_early_stopping_logs_only_the_epochs_it_trained(tiny) -> None:
+    store, dataset, partition = tiny
+    epochs, patience = 60, 3
+    plan = train(store, dataset, partition, small_config(strategy="standard", epochs=epochs, patience=patience, lr=0.2))
+    curves = pq.read_table(store.run_dir(plan.run_fp) / "metrics.parquet").to_pandas()
+    trained = _stopped_rounds(curves, 0, patience, epochs)
+    assert trained < epochs
+    p = params(build_blocks("gcn", F, HIDDEN, C, 2, 4, 0.0))
+    assert comm_log(plan)["grad_sync"] == trained * ring(4 * p)
+
+
 def test_standard_logged_bytes_equal_the_analytic_count(tiny) -> None:
     store, dataset, partition = tiny
     epochs = 3
@@ -117,3 +151,20 @@ def test_gcn_normalisation_equals_pyg_gcn_norm() -> None:
     graph = local_graph("gcn", src, dst, torch.from_numpy(in_degree(30, src, dst)), 30)
     expected = reference(x, torch.from_numpy(np.stack([src, dst])).long())
     torch.testing.assert_close(ours.propagate(x, graph), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_reaches_only_the_first_block_by_default() -> None:
+    """Kipf & Welling's recipe: with zero loss gradients, one Adam step moves the first block's
+    parameters (weight decay) and leaves the others exactly where they were."""
+    from retexo_core.config import TrainConfig
+    from retexo_core.strategies.endtoend import new_optimizer
+
+    blocks = build_blocks("gcn", F, HIDDEN, C, 3, 4, 0.0)
+    before = {name: p.detach().clone() for name, p in blocks.named_parameters()}
+    optimizer = new_optimizer(TrainConfig(layers=3), blocks)
+    for p in blocks.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in blocks.named_parameters():
+        moved = not torch.equal(p.detach(), before[name])
+        assert moved == (name.startswith("0.") and bool(before[name].abs().sum() > 0)), name

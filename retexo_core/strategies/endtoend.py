@@ -4,9 +4,10 @@ and ``varco``.
 Every epoch each block's owned activations are sent to the ranks that hold them as halo nodes
 (``halo_embeddings``) and the gradients of those halo activations come back in the backward pass
 (``halo_grads``); raw features are exchanged once and cached (``halo_features``); gradients are
-summed by a ring all-reduce (``grad_sync``). With ``bns_rate`` p < 1 each owner sends only a
+summed by an all-reduce (``grad_sync``). With ``bns_rate`` p < 1 each owner sends only a
 random fraction p of the rows each peer needs (BNS-GCN); edges from unsampled halo nodes are
-dropped for that epoch and GCN keeps the full-graph normalisation. ``varco`` (Cervino et al.)
+dropped for that epoch and the sampled rows weigh 1/p, as in BNS-GCN, so that each aggregation is
+an unbiased estimate of the full one (GCN and SAGE keep the full graph's normalisation). ``varco`` (Cervino et al.)
 caches the raw features exactly as ``standard`` does and compresses what ``standard`` sends every
 epoch: the boundary activations (and so their gradients) of the hidden layers, by a ratio that moves
 from ``c_max`` to ``c_min`` over training (see ``varco_plans``). Validation forwards (every
@@ -75,13 +76,16 @@ def varco_plans(ctx: WorkerContext, epoch: int, rng: np.random.Generator) -> lis
 
 
 def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
-    """Train-view graph without edges from halo nodes that received nothing this epoch (the
-    adjacency of the run, with those edges' values set to zero; rebuilt for GAT)."""
+    """Train-view graph of a BNS-GCN epoch: edges from halo nodes that received nothing this epoch
+    dropped, and the rows that did arrive from peer j weighted by (rows requested from j) / (rows
+    received from j), BNS-GCN's 1/rate (see ``LocalGraph.reweighted_sources``)."""
     n = ctx.data.num_owned
-    absent = torch.ones(n + ctx.data.num_halo, dtype=torch.bool)
-    absent[:n] = False
-    absent[n + torch.from_numpy(plan.received)] = False
-    return ctx.graphs["train"].without_sources(absent)
+    scale = torch.zeros(n + ctx.data.num_halo)
+    scale[:n] = 1.0
+    for requested, got in zip(ctx.plans["train"].recv_index, plan.recv_index):
+        if len(got):
+            scale[n + torch.from_numpy(got)] = len(requested) / len(got)
+    return ctx.graphs["train"].reweighted_sources(scale)
 
 
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
