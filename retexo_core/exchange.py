@@ -29,11 +29,6 @@ class ExchangePlan:
     recv_index: list[np.ndarray]
     num_halo: int
 
-    @property
-    def received(self) -> np.ndarray:
-        """All halo positions that receive a row (the rest stay zero)."""
-        return np.concatenate(self.recv_index) if self.recv_index else np.empty(0, np.int64)
-
 
 def full_plan(plan: HaloPlan) -> ExchangePlan:
     recv = [np.arange(s.start, s.stop) for s in plan.halo_blocks()]

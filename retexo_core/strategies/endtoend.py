@@ -7,10 +7,11 @@ Every epoch each block's owned activations are sent to the ranks that hold them 
 summed by an all-reduce (``grad_sync``). With ``bns_rate`` p < 1 each owner sends only a
 random fraction p of the rows each peer needs (BNS-GCN); edges from unsampled halo nodes are
 dropped for that epoch and the sampled rows weigh 1/p, as in BNS-GCN, so that each aggregation is
-an unbiased estimate of the full one (GCN and SAGE keep the full graph's normalisation). ``varco`` (Cervino et al.)
-caches the raw features exactly as ``standard`` does and compresses what ``standard`` sends every
-epoch: the boundary activations (and so their gradients) of the hidden layers, by a ratio that moves
-from ``c_max`` to ``c_min`` over training (see ``varco_plans``). Validation forwards (every
+an unbiased estimate of the full one (GCN and SAGE keep the full graph's normalisation).
+``varco`` (Cervino et al.) caches the raw features exactly as ``standard`` does and compresses
+what ``standard`` sends every epoch: the boundary activations (and so their gradients) of the
+hidden layers, by a ratio that moves from ``c_max`` to ``c_min`` over training (see
+``varco_plans``). Validation forwards (every
 ``eval_every`` epochs, on the val view) are counted too. With one rank this is exactly
 centralized full-graph training.
 """
@@ -23,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from retexo_core.config import TrainConfig
 from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
 from retexo_core.models import Features, LocalGraph, build_blocks
-from retexo_core.config import TrainConfig
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
 
 
