@@ -156,7 +156,8 @@ def view_sql(store: Store, spec: ViewSpec) -> str:
     glob = _sql_string(str(store.root / spec.pattern))
     if spec.source == "json":
         columns = ", ".join(f'"{name}": {_sql_string(typ)}' for name, typ in (spec.json_columns or spec.columns))
-        reader = f"read_json({glob}, format = 'unstructured', columns = {{{columns}}})"
+        # the files carry every column; hive detection would type a run=<all digits> folder as BIGINT
+        reader = f"read_json({glob}, format = 'unstructured', hive_partitioning = false, columns = {{{columns}}})"
     else:
         reader = f"read_parquet({glob}, hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
     return f"CREATE OR REPLACE VIEW {spec.name} AS SELECT {spec.select} FROM {reader}"

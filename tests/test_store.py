@@ -220,3 +220,15 @@ def test_store_commands_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_run_fingerprint_of_digits_only_stays_text_in_the_runs_view(tmp_path: Path):
+    """A 16-hex fingerprint can be all decimal digits; the views must not type it as a number."""
+    from graphstore.catalog import refresh_catalog
+    from graphstore.history import record_run_event
+
+    store = Store.open(tmp_path)
+    record_run_event(store, "1234567890123456", "started", "retexo")
+    refresh_catalog(store)
+    _, rows = query(store, "SELECT run, status FROM runs")
+    assert rows == [("1234567890123456", "started")]
