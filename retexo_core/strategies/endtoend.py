@@ -96,8 +96,10 @@ def new_model(ctx: WorkerContext) -> nn.ModuleList:
 
 
 def new_optimizer(cfg: TrainConfig, blocks: nn.ModuleList) -> torch.optim.Adam:
-    """Adam with the weight decay on the first block (or all, see ``weight_decay_layers``)."""
-    return adam(blocks, cfg.layer_lr(1), cfg.weight_decay, None if cfg.weight_decay_layers == "all" else blocks[0])
+    """Adam with the weight decay on the blocks of the layers ``cfg.decays_layer`` names (the
+    same rule as layer-wise training)."""
+    decayed = nn.ModuleList(b for k, b in enumerate(blocks, start=1) if cfg.decays_layer(k))
+    return adam(blocks, cfg.layer_lr(1), cfg.weight_decay, decayed)
 
 
 def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
