@@ -3,6 +3,7 @@ layers by fingerprint, completed runs. Every store lookup lives here."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from graphstore.errors import StoreError
 from graphstore.fingerprint import fingerprint
 from graphstore.layout import MANIFEST, Store, is_complete
 from graphstore.manifests import DatasetManifest, LayerManifest, PartitionManifest, RunManifest, read_manifest
-from graphstore.partition.methods import PartitionOptions
+from graphstore.partition.methods import PREVIOUS, PartitionOptions
+
+log = logging.getLogger(__name__)
 
 PARTITION_FORMAT = 2  # bump when the on-disk layout of a partition changes (2: sparse feature layout)
 
@@ -80,12 +83,82 @@ def find_dataset(store: Store, name_or_fp: str) -> DatasetRef:
 
 
 def partition_fingerprint(dataset_fp: str, options: PartitionOptions) -> str:
+    """The fingerprint of a partition of ``dataset_fp``; ``options.stable_from`` must be resolved."""
+    if options.stable_from == PREVIOUS:
+        raise ValueError("stable_from 'previous' must be resolved (resolve_stable_from) before fingerprinting")
     return fingerprint({"format": PARTITION_FORMAT, "dataset": dataset_fp, **options.fingerprint_payload()})
 
 
 def find_partition(store: Store, dataset: DatasetRef, options: PartitionOptions) -> PartitionRef | None:
-    path = store.partition_dir(dataset.fp, partition_fingerprint(dataset.fp, options))
+    """The stored partition of ``dataset`` with ``options`` (anchor resolved first), None when missing."""
+    return stored_partition(store, dataset, resolve_stable_from(store, dataset, options))
+
+
+def stored_partition(store: Store, dataset: DatasetRef, resolved: PartitionOptions) -> PartitionRef | None:
+    """Like ``find_partition``, for options whose ``stable_from`` is already resolved."""
+    path = store.partition_dir(dataset.fp, partition_fingerprint(dataset.fp, resolved))
     return PartitionRef.at(path) if is_complete(path) else None
+
+
+def partition_by_fp(store: Store, fp: str) -> PartitionRef:
+    """The completed partition (of any dataset) whose fingerprint is ``fp`` or starts with it."""
+    folders = [p for p in (store.root / "partitions").glob("dataset=*/fp=*") if is_complete(p)]
+    matches = sorted(p for p in folders if p.name.removeprefix("fp=").startswith(fp))
+    if len(matches) == 1:
+        return PartitionRef.at(matches[0])
+    if matches:
+        found = ", ".join(p.name.removeprefix("fp=") for p in matches[:5])
+        raise StoreError(f"stable_from '{fp}' matches {len(matches)} partitions ({found}): give more of the fingerprint")
+    raise StoreError(f"stable_from '{fp}': no partition with this fingerprint in store {store.root} "
+                     f"({len(folders)} stored; see the partitions view of `retexo sql`)")
+
+
+def previous_version(store: Store, dataset: DatasetRef) -> DatasetRef | None:
+    """The newest version of ``dataset.name`` created before ``dataset`` (manifest ``created_at``)."""
+    created = dataset.manifest.created_at
+    paths = store.datasets_dir().glob(f"name={dataset.name}/fp=*/{MANIFEST}")
+    older = [(m.created_at, m.fp) for m in (read_manifest(p.parent, DatasetManifest) for p in paths)
+             if m.fp != dataset.fp and m.created_at < created]
+    return DatasetRef.at(store.dataset_dir(dataset.name, max(older)[1])) if older else None
+
+
+def newest_partition(store: Store, dataset_fp: str, method: str, parts: int) -> PartitionRef | None:
+    """The newest completed partition of ``dataset_fp`` with this method and number of parts."""
+    found = []
+    for path in (store.root / "partitions").glob(f"dataset={dataset_fp}/fp=*"):
+        if is_complete(path):
+            m = read_manifest(path, PartitionManifest)
+            if m.method == method and m.parts == parts:
+                found.append((m.created_at, m.fp, path))
+    return PartitionRef.at(max(found)[2]) if found else None
+
+
+def resolve_stable_from(store: Store, dataset: DatasetRef, options: PartitionOptions) -> PartitionOptions:
+    """``options`` with ``stable_from`` resolved to an anchor's full fingerprint, or None.
+
+    ``previous`` is the newest partition with the same method and parts of the previous version of
+    the dataset (``previous_version``); without one it resolves to None (partition from scratch).
+    The anchor depends only on earlier versions, so building on the newest version and asking
+    again resolves to the same anchor (the build is cached). Raises ``StoreError`` for an unknown
+    or ambiguous fingerprint and for an anchor with a different number of parts.
+    """
+    wanted = options.stable_from
+    if wanted is None:
+        return options
+    if wanted == PREVIOUS:
+        earlier = previous_version(store, dataset)
+        anchor = newest_partition(store, earlier.fp, options.method, options.parts) if earlier else None
+        if anchor is None:
+            log.debug("stable_from previous: no earlier %s partition of %s into %d parts; partitioning from scratch",
+                      options.method, dataset.name, options.parts)
+            return options.model_copy(update={"stable_from": None})
+    else:
+        anchor = partition_by_fp(store, wanted)
+        if anchor.parts != options.parts:
+            raise StoreError(f"stable_from partition {anchor.fp} has {anchor.parts} parts, but {options.parts} "
+                             "were asked for (an anchor must have the same number of parts)")
+    log.debug("stable_from %s of %s resolved to partition %s", wanted, dataset.name, anchor.fp)
+    return options.model_copy(update={"stable_from": anchor.fp})
 
 
 def layer_fp_of(directory: Path) -> str | None:

@@ -69,6 +69,11 @@ class PartitionManifest(Manifest):
     objective: str | None = None
     clusters: int | None = None
     column: str | None = None
+    stable_from: str | None = None  # the anchor partition's fp (stable partitions), else None
+    kept_nodes: int | None = None  # anchored only: anchor nodes still present in the same part
+    moved_nodes: int | None = None  # anchored only: anchor nodes still present in another part
+    new_nodes: int | None = None  # anchored only: nodes the anchor does not have
+    removed_nodes: int | None = None  # anchored only: anchor nodes no longer in the dataset
     edge_cut: int
     halo_total: int
     num_nodes: int
@@ -82,7 +87,8 @@ class PartitionManifest(Manifest):
     stats: list[dict[str, Any]] = []
 
     def options_payload(self) -> dict[str, Any]:
-        """The partition options this artefact was built with (the keys that are set)."""
+        """The method options this artefact was built with (the keys that are set), without the
+        ``stable_from`` anchor: options rebuilt from them partition from scratch."""
         keys = ("method", "parts", "seed", "objective", "clusters", "column")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 

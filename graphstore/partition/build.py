@@ -25,7 +25,15 @@ import pyarrow.parquet as pq
 from graphstore.atomic import atomic_artefact
 from graphstore.errors import StoreError
 from graphstore.layout import Store
-from graphstore.lookup import PARTITION_FORMAT, DatasetRef, PartitionRef, find_partition, partition_fingerprint
+from graphstore.lookup import (
+    PARTITION_FORMAT,
+    DatasetRef,
+    PartitionRef,
+    partition_by_fp,
+    partition_fingerprint,
+    resolve_stable_from,
+    stored_partition,
+)
 from graphstore.manifests import PartitionManifest
 from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, take_feature_rows
 from graphstore.partition.methods import (
@@ -36,6 +44,7 @@ from graphstore.partition.methods import (
     random_parts,
     supernode_parts,
 )
+from graphstore.partition.stable import Placement, carry_over, fill_balanced, grow_from_neighbours, load_anchor, summarise
 from graphstore.progress import Progress, no_progress
 
 log = logging.getLogger(__name__)
@@ -98,18 +107,52 @@ def assign(graph: GraphArrays, options: PartitionOptions, dataset: DatasetRef) -
     return supernode_parts(xadj, adjncy, options.parts, options.supernode_clusters, options.seed, options.objective)
 
 
+def assign_stable(graph: GraphArrays, options: PartitionOptions, dataset: DatasetRef, anchor: PartitionRef) -> Placement:
+    """Nodes of the ``anchor`` partition keep their part; new nodes are placed by the method
+    (``graphstore.partition.stable``). ``options.stable_from`` is resolved (``anchor.fp``)."""
+    n = len(graph.node_id)
+    if options.parts > n:
+        raise StoreError(f"cannot split {n} nodes into {options.parts} parts")
+    carried, removed = carry_over(graph.node_id, *load_anchor(anchor.path))
+    if options.method == "column":
+        part = assign(graph, options, dataset)
+    elif options.method == "random":
+        part = fill_balanced(carried, options.parts, options.seed)
+    else:
+        part = grow_from_neighbours(carried, graph.src, graph.dst, options.parts, options.seed)
+    return summarise(carried, part, removed)
+
+
+def anchor_fields(placement: Placement | None) -> dict[str, int | None]:
+    """The manifest's kept/moved/new/removed node counts (None when not anchored)."""
+    if placement is None:
+        return {"kept_nodes": None, "moved_nodes": None, "new_nodes": None, "removed_nodes": None}
+    return {"kept_nodes": placement.kept, "moved_nodes": placement.moved, "new_nodes": placement.new,
+            "removed_nodes": placement.removed}
+
+
 def build_partition(
     store: Store, dataset: DatasetRef, options: PartitionOptions, progress: Progress = no_progress
 ) -> PartitionRef:
-    """Partition ``dataset`` (or return the stored result with the same fingerprint)."""
-    found = find_partition(store, dataset, options)
+    """Partition ``dataset`` (or return the stored result with the same fingerprint).
+
+    ``options.stable_from`` is resolved first (``resolve_stable_from``), as ``find_partition`` does,
+    so that a lookup and a build agree on the fingerprint.
+    """
+    options = resolve_stable_from(store, dataset, options)
+    found = stored_partition(store, dataset, options)
     if found is not None:
         log.info("partition %s of %s is already in the store: nothing to do", found.fp, dataset.name)
         return found
     fp = partition_fingerprint(dataset.fp, options)
     started = time.perf_counter()
     graph = load_graph_arrays(dataset)
-    part = assign(graph, options, dataset)
+    placement = None
+    if options.stable_from is not None:
+        placement = assign_stable(graph, options, dataset, partition_by_fp(store, options.stable_from))
+        part = placement.part
+    else:
+        part = assign(graph, options, dataset)
     assign_seconds = time.perf_counter() - started
     target = store.partition_dir(dataset.fp, fp)
     with atomic_artefact(store, target) as writer:
@@ -123,6 +166,7 @@ def build_partition(
             dataset=dataset.fp,
             dataset_name=dataset.name,
             **options.fingerprint_payload(),
+            **anchor_fields(placement),
             edge_cut=int(sum(s["cut_edges"] for s in stats)),
             halo_total=int(sum(s["halo_nodes"] for s in stats)),
             num_nodes=len(graph.node_id),
@@ -136,7 +180,11 @@ def build_partition(
             stats=stats,
         )
     ref = PartitionRef.at(target, created=True)
-    log.info("partition %s of %s: %d parts, edge cut %d, halo %d", fp, dataset.name, ref.parts, ref.edge_cut, ref.halo_total)
+    anchored = "" if placement is None else (
+        f"; stable from {options.stable_from}: {placement.kept} nodes kept their part, {placement.moved} moved, "
+        f"{placement.new} new, {placement.removed} removed")
+    log.info("partition %s of %s: %d parts, edge cut %d, halo %d%s", fp, dataset.name, ref.parts, ref.edge_cut,
+             ref.halo_total, anchored)
     return ref
 
 

@@ -6,13 +6,14 @@ from typing import Literal
 
 import numpy as np
 import pymetis
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 METIS_OBJECTIVE = {"cut": 0, "vol": 1}  # METIS_OBJTYPE_CUT, METIS_OBJTYPE_VOL
+PREVIOUS = "previous"  # stable_from: the newest matching partition of the dataset's previous version
 
 
 class PartitionOptions(BaseModel):
-    """How to partition (all fields are part of the partition fingerprint).
+    """How to partition (the fields that affect the result are part of the partition fingerprint).
 
     Attributes:
         method: ``random`` (balanced, seeded), ``metis`` (pymetis k-way), ``supernode`` (METIS into
@@ -21,6 +22,10 @@ class PartitionOptions(BaseModel):
         parts: number of partitions K (for ``column``: must equal the number of distinct values).
         objective: METIS objective, ``cut`` (edge cut) or ``vol`` (communication volume).
         clusters: supernode cluster count (default ``max(16 * parts, parts)``).
+        stable_from: anchor partition (fingerprint or unique prefix, or ``previous``): nodes it
+            assigns keep their part, new nodes are placed around them (``graphstore.partition.stable``).
+            Resolved to a full fingerprint (or None) by ``graphstore.lookup.resolve_stable_from``
+            before fingerprinting; only a resolved anchor enters the fingerprint.
     """
 
     method: Literal["random", "metis", "supernode", "column"] = Field(
@@ -31,6 +36,19 @@ class PartitionOptions(BaseModel):
         "cut", description="METIS objective: cut (edge cut) or vol (communication volume).")
     clusters: int | None = Field(None, ge=1, description="supernode: number of METIS clusters (default 16 x parts).")
     column: str | None = Field(None, description="column: node column holding each node's partition.")
+    stable_from: str | None = Field(
+        None,
+        description="Keep the parts of an earlier partition: its fingerprint (or a unique prefix), or 'previous' "
+                    "(the newest partition with the same method and parts of the previous version of this dataset). "
+                    "Nodes it assigns keep their part; new nodes are placed by the method without moving old ones.",
+    )
+
+    @field_validator("stable_from")
+    @classmethod
+    def _anchor(cls, value: str | None) -> str | None:
+        """Blank means no anchor; fingerprints are matched as written (hex, lower case)."""
+        value = value.strip() if value is not None else None
+        return value or None
 
     @model_validator(mode="after")
     def _consistent(self) -> "PartitionOptions":
@@ -51,6 +69,8 @@ class PartitionOptions(BaseModel):
             payload["clusters"] = self.supernode_clusters
         if self.method == "column":
             payload["column"] = self.column
+        if self.stable_from is not None:  # absent otherwise: fingerprints of unanchored partitions unchanged
+            payload["stable_from"] = self.stable_from
         return payload
 
     @property
