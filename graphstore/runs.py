@@ -3,7 +3,9 @@
 ``runs/run=<rfp>/layer=<l>/`` holds ``model.pt``, ``manifest.json`` (with the layer fingerprint),
 ``part=<i>/embeddings.parquet`` (``node_id, h`` and, inductive runs, ``h_train, h_val``) and
 ``part=<i>/comm.parquet`` (what rank i sent while producing the layer). The last layer of a run
-also holds ``metrics.parquet`` (training curves) and ``evaluation.parquet`` (metrics per split).
+also holds ``metrics.parquet`` (training curves), ``evaluation.parquet`` (metrics per split) and
+``part=<i>/predictions.parquet`` (``node_id, predicted, score, split`` of the nodes part i owns,
+written by rank i: predictions stay where their nodes are).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from graphstore.atomic import atomic_artefact
 from graphstore.layout import MANIFEST, Store
 from graphstore.manifests import LayerManifest, read_manifest
 from graphstore.parquet_io import COMPRESSION, features_array, features_matrix, read_table
+
+PREDICTIONS = "predictions.parquet"
 
 
 def write_embeddings(path: Path, node_id: np.ndarray, h: np.ndarray, views: dict[str, np.ndarray] | None = None) -> None:

@@ -22,6 +22,7 @@ ModelName = Literal["gcn", "sage", "gat"]
 Compression = Literal["none", "fp16", "int8"]
 Scope = Literal["layer", "per_layer", "run", "none"]
 END_TO_END = ("standard", "centralized", "varco", "tma", "grappa")
+WARM_STARTABLE = ("retexo", "centralized", "standard", "varco")
 
 
 def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
@@ -64,15 +65,15 @@ class TrainConfig(BaseModel):
                                   "accuracy has not improved for this many rounds or epochs; none = never.",
                                   scope="layer", strategies=("retexo", "centralized", "standard", "varco"), ge=1)
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
-                                     "(comma list on the command line).", scope="per_layer",
+                                     "(comma list on the command line); 0 only with warm_start.", scope="per_layer",
                                      strategies=("retexo", "centralized"))
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
                                     strategies=("retexo", "centralized"), ge=1)
     lr: float | list[float] = option(0.01, "Learning rate, one value or one per layer (comma list).",
                                      scope="per_layer")
-    epochs: int = option(200, "Epochs (steps) of the end-to-end strategies.", scope="run", strategies=END_TO_END,
-                         ge=1)
+    epochs: int = option(200, "Epochs (steps) of the end-to-end strategies (0 only with warm_start: evaluate "
+                         "the warm-start model as it is).", scope="run", strategies=END_TO_END, ge=0)
     seed: int = option(0, "Training seed.", scope="layer")
     sync: Literal["grad", "avg"] = option("grad", "retexo: grad (sum gradients every round) or avg (local steps, "
                                           "model averaging every sync_every rounds).", scope="layer",
@@ -103,15 +104,27 @@ class TrainConfig(BaseModel):
                                        strategies=("grappa",), ge=1)
     grappa_shrinkage: float = option(0.0, "grappa: shrink coverage weights towards uniform (0..1).", scope="run",
                                      strategies=("grappa",), ge=0, le=1)
+    warm_start: str | None = option(
+        None, "Start every layer from the parameters of this earlier completed run (fingerprint or unique prefix; "
+        "same model, layers, hidden size, features and classes). With patience, fewer rounds are trained.",
+        scope="layer", strategies=WARM_STARTABLE)
     timeout_s: float = option(300.0, "Seconds any collective may wait before the run fails.", scope="none",
                               cli="timeout", gt=0)
 
-    @field_validator("rounds", "lr")
+    @field_validator("lr")
     @classmethod
-    def _positive(cls, value: int | float | list[int] | list[float]) -> int | float | list[int] | list[float]:
+    def _positive(cls, value: float | list[float]) -> float | list[float]:
         values = value if isinstance(value, list) else [value]
         if not values or any(v <= 0 for v in values):
             raise ValueError("must be positive (one value, or one per layer)")
+        return value
+
+    @field_validator("rounds")
+    @classmethod
+    def _non_negative(cls, value: int | list[int]) -> int | list[int]:
+        values = value if isinstance(value, list) else [value]
+        if not values or any(v < 0 for v in values):
+            raise ValueError("must be non-negative (one value, or one per layer)")
         return value
 
     @model_validator(mode="after")
@@ -124,6 +137,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"varco_c_min ({self.varco_c_min}) must not exceed varco_c_max ({self.varco_c_max})")
         if self.tolerate_failures and self.strategy != "tma":
             raise ValueError("tolerate_failures is supported by the tma strategy only")
+        rounds = self.rounds if isinstance(self.rounds, list) else [self.rounds]
+        if self.warm_start is None and (self.epochs == 0 or 0 in rounds):
+            raise ValueError("rounds / epochs = 0 (evaluate without training) needs warm_start")
+        if self.warm_start is not None and self.strategy not in WARM_STARTABLE:
+            raise ValueError(f"warm_start is supported by {', '.join(WARM_STARTABLE)}, not {self.strategy}")
         if self.model == "gat" and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) for GAT")
         return self

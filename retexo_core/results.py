@@ -37,6 +37,15 @@ class ResultSink(Protocol):
                    comm: pa.Table) -> None:
         """Store this part's rows of layer ``layer`` (views as above) and what this rank sent."""
 
+    def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """The parameters layer ``layer`` (end-to-end: block ``layer``) starts from: the warm-start
+        run's, or None for a fresh initialisation."""
+
+    def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,
+                          split: np.ndarray) -> None:
+        """This part's predictions from the last layer: (n,) ids, (n,) int64 classes, (n,) float32
+        max softmax probabilities, (n,) split names."""
+
     def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:
         """Rank 0, after every rank wrote its part: model parameters, curves, evaluation; the layer

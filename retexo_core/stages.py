@@ -13,12 +13,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
-from retexo_core.data import PartData, normalize_rows
+from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.halo import VIEWS
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
@@ -78,6 +79,17 @@ def stored_views(ctx: WorkerContext, outputs: dict[str, torch.Tensor]) -> dict[s
     return {v: outputs[v].numpy() for v in (VIEWS if ctx.inductive else ("full",))}
 
 
+def write_predictions(ctx: WorkerContext, logits: torch.Tensor, sink: ResultSink) -> None:
+    """This rank's predictions from the last layer's full-view logits (n, C): class and max softmax."""
+    probabilities = torch.softmax(logits.float(), dim=1)
+    score, predicted = probabilities.max(dim=1)
+    split = np.full(ctx.data.num_owned, "none", dtype=object)
+    for name in SPLIT_NAMES:
+        split[ctx.data.masks[name].numpy()] = name
+    sink.write_predictions(ctx.data.part, ctx.data.node_id, predicted.numpy().astype(np.int64),
+                           score.numpy().astype(np.float32), split)
+
+
 def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
     """This rank's log rows from ``start`` on, and the next start."""
     return ctx.comm.log.to_table().slice(start), len(ctx.comm.log.rows)
@@ -89,10 +101,12 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
-        result = train_layer(ctx, layer, own)
+        result = train_layer(ctx, layer, own, sink.initial_state(layer))
         evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
         rows, log_start = new_log_rows(ctx, log_start)
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
+        if layer == cfg.layers:
+            write_predictions(ctx, result.outputs["full"], sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
         if ctx.comm.rank == 0:
             summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds,
@@ -103,11 +117,13 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         own = result.outputs  # type: ignore[assignment]
 
 
-def train_whole_model(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) -> tuple[WorkerContext, EndToEndResult]:
+def train_whole_model(ctx: WorkerContext, sink: ResultSink,
+                      load_refresh: Callable[[int], PartData]) -> tuple[WorkerContext, EndToEndResult]:
     """Train with an end-to-end strategy; returns the context the final evaluation runs in."""
     strategy = ctx.config.strategy
     if strategy not in ("tma", "grappa"):
-        return ctx, train_end_to_end(ctx)
+        initial = [sink.initial_state(layer) for layer in range(1, ctx.config.layers + 1)]
+        return ctx, train_end_to_end(ctx, None if initial[0] is None else initial)  # type: ignore[arg-type]
     result = train_tma(ctx) if strategy == "tma" else train_grappa(ctx, load_refresh)
     eval_ctx, result.outputs = evaluate_outputs(ctx, result.blocks)
     eval_ctx.history = ctx.history
@@ -118,13 +134,14 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
                    load_refresh: Callable[[int], PartData]) -> None:
     part, cfg = ctx.data.part, ctx.config
     started = time.perf_counter()
-    ctx, result = train_whole_model(ctx, load_refresh)
+    ctx, result = train_whole_model(ctx, sink, load_refresh)
     evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
     rows, _ = new_log_rows(ctx, 0)
     for layer in layers:
         outputs = {v: per_layer[layer - 1] for v, per_layer in result.outputs.items()}
         sink.write_part(layer, part, ctx.data.node_id, stored_views(ctx, outputs),
                         rows if layer == layers[-1] else rows.slice(0, 0))  # type: ignore[arg-type]
+    write_predictions(ctx, result.outputs["full"][-1], sink)
     ctx.comm.barrier_uncounted()
     if ctx.comm.rank != 0:
         return

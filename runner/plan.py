@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from graphstore.errors import RetexoError
+from graphstore.errors import RetexoError, StoreError
 from graphstore.fingerprint import fingerprint, tree_digest
 from graphstore.layout import Store
-from graphstore.lookup import DatasetRef, PartitionRef, find_layer, layer_fp_of
+from graphstore.lookup import DatasetRef, PartitionRef, completed_run, find_dataset, find_layer, layer_fp_of
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 
@@ -52,9 +52,32 @@ class RunPlan:
         return self.store.layer_dir(self.run_fp, layer)
 
 
+def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -> TrainConfig:
+    """``config`` with ``warm_start`` as the full fingerprint of a completed run whose parameters
+    fit this run (same model, layers, hidden size and heads, same kind of training, and a dataset
+    with as many features and classes); ``StoreError`` naming the mismatch otherwise."""
+    if config.warm_start is None:
+        return config
+    warm = completed_run(store, config.warm_start)
+    base = TrainConfig.model_validate({**warm.config, "warm_start": None})
+    source = find_dataset(store, warm.dataset)
+    checks = {
+        "model": (base.model, config.model), "layers": (base.layers, config.layers),
+        "hidden": (base.hidden, config.hidden),
+        "heads": (base.heads, config.heads) if config.model == "gat" else (0, 0),
+        "layer-wise training": (base.is_layerwise, config.is_layerwise), "norm": (base.norm, config.norm),
+        "features": (source.num_features, dataset.num_features), "classes": (source.num_classes, dataset.num_classes),
+    }
+    for name, (theirs, ours) in checks.items():
+        if theirs != ours:
+            raise StoreError(f"--warm-start {config.warm_start}: run {warm.fp} has {name} {theirs}, this run {ours}")
+    return config.model_copy(update={"warm_start": warm.fp})
+
+
 def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig,
              network: NetworkModel) -> RunPlan:
     """Fingerprints of the run and of each layer; centralized runs read the whole dataset."""
+    config = resolve_warm_start(store, dataset, config)
     whole = config.strategy == "centralized"
     if not whole and partition is None:
         raise RetexoError(f"strategy {config.strategy} needs a partition")

@@ -1,7 +1,8 @@
 """``RunFolder``: the result writer the lifecycle hands to the workers (``retexo_core.results``).
 
 Every stage (layer) of a launch is written into a temporary sibling of its final folder: each
-rank writes and fsyncs ``part=<rank>/{embeddings,comm}.parquet``; rank 0 then writes
+rank writes and fsyncs ``part=<rank>/{embeddings,comm}.parquet`` (and, in the last layer,
+``predictions.parquet``); rank 0 then writes
 ``model.pt``, ``metrics.parquet`` and ``evaluation.parquet`` and commits the folder with its
 manifest (rename). The launcher on node 0 holds the layer folders' writer locks meanwhile.
 """
@@ -20,7 +21,7 @@ from graphstore.atomic import commit_directory, fsync_file, fsync_tree
 from graphstore.layout import Store
 from graphstore.manifests import LayerManifest
 from graphstore.parquet_io import COMPRESSION
-from graphstore.runs import read_embeddings, write_embeddings
+from graphstore.runs import PREDICTIONS, read_embeddings, write_embeddings
 from retexo_core.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -66,6 +67,22 @@ class RunFolder:
                          {v: rows for v, rows in outputs.items() if v != "full"})
         pq.write_table(comm, folder / "comm.parquet", compression=COMPRESSION)
         fsync_tree(folder)
+
+    def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
+        import torch
+
+        warm = self.config.warm_start
+        if warm is None:
+            return None
+        return torch.load(Store(Path(self.store_root)).layer_dir(warm, layer) / "model.pt", weights_only=True)
+
+    def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,
+                          split: np.ndarray) -> None:
+        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / PREDICTIONS
+        table = pa.table({"node_id": pa.array(node_id, pa.int64()), "predicted": pa.array(predicted, pa.int64()),
+                          "score": pa.array(score, pa.float32()), "split": pa.array(split, pa.string())})
+        pq.write_table(table, path, compression=COMPRESSION)
+        fsync_file(path)
 
     def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:

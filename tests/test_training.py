@@ -168,3 +168,49 @@ def test_weight_decay_reaches_only_the_first_block_by_default() -> None:
     for name, p in blocks.named_parameters():
         moved = not torch.equal(p.detach(), before[name])
         assert moved == (name.startswith("0.") and bool(before[name].abs().sum() > 0)), name
+
+
+@pytest.mark.parametrize("strategy", ["retexo", "standard"])
+def test_warm_start_with_zero_rounds_reproduces_the_model_and_sends_only_its_exchanges(tiny, strategy: str) -> None:
+    store, dataset, partition = tiny
+    trained = train(store, dataset, partition, small_config(strategy=strategy, rounds=4, epochs=4))
+    again = train(store, dataset, partition,
+                  small_config(strategy=strategy, rounds=0, epochs=0, warm_start=trained.run_fp[:6]))
+    assert again.config.warm_start == trained.run_fp and again.run_fp != trained.run_fp
+    first, second = (json.loads((p.store.run_dir(p.run_fp) / "manifest.json").read_text()) for p in (trained, again))
+    assert first["evaluation"] == second["evaluation"]
+    h = halo_total(partition)
+    exchanges = {"halo_features": 4 * F * h, "halo_embeddings": 4 * HIDDEN * h}  # one forward pass, no training
+    assert {k: v for k, v in comm_log(again).items() if k != "control"} == exchanges
+    predictions = [pd.concat([pq.read_table(p).to_pandas() for p in sorted(plan.layer_dir(2).glob("part=*/predictions.parquet"))])
+                   for plan in (trained, again)]
+    for rows in predictions:
+        assert len(rows) == dataset.num_nodes and rows["node_id"].is_unique
+        assert rows["score"].between(1 / C, 1).all() and set(rows["split"]) <= {"train", "val", "test", "none"}
+    assert predictions[0]["predicted"].tolist() == predictions[1]["predicted"].tolist()
+
+
+def test_predictions_are_the_argmax_of_the_last_layer_outputs(tiny) -> None:
+    store, dataset, partition = tiny
+    plan = train(store, dataset, partition, small_config())
+    for part in range(K):
+        node_id, views = read_embeddings(plan.layer_dir(2) / f"part={part}" / "embeddings.parquet")
+        rows = pq.read_table(plan.layer_dir(2) / f"part={part}" / "predictions.parquet").to_pandas()
+        assert rows["node_id"].tolist() == node_id.tolist()
+        assert rows["predicted"].tolist() == views["full"].argmax(1).tolist()
+        expected = torch.softmax(torch.from_numpy(views["full"]), 1).max(1).values.numpy()
+        np.testing.assert_allclose(rows["score"], expected, rtol=1e-5)
+
+
+def test_warm_start_refuses_a_run_that_does_not_fit_and_zero_rounds_without_it(tiny) -> None:
+    from graphstore.errors import StoreError
+    from pydantic import ValidationError
+
+    store, dataset, partition = tiny
+    trained = train(store, dataset, partition, small_config())
+    with pytest.raises(StoreError, match="hidden 8, this run 16"):
+        train(store, dataset, partition, small_config(hidden=16, warm_start=trained.run_fp))
+    with pytest.raises(StoreError, match="no unique completed run 'ffffff'"):
+        train(store, dataset, partition, small_config(warm_start="ffffff"))
+    with pytest.raises(ValidationError, match="needs warm_start"):
+        small_config(rounds=0)

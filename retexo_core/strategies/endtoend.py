@@ -102,9 +102,13 @@ def new_optimizer(cfg: TrainConfig, blocks: nn.ModuleList) -> torch.optim.Adam:
     return adam(blocks, cfg.layer_lr(1), cfg.weight_decay, decayed)
 
 
-def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
+def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] | None = None) -> EndToEndResult:
+    """Train the whole model (standard, BNS, VARCO, centralized), from the blocks' parameters
+    ``initial`` when given (warm start; with 0 epochs they are evaluated as they are)."""
     cfg, comm, data = ctx.config, ctx.comm, ctx.data
     blocks = new_model(ctx)
+    for block, state in zip(blocks, initial or []):
+        block.load_state_dict(state)
     gen = ctx.generator()
     rng = np.random.default_rng([cfg.seed, comm.rank])
     comm.layer, comm.epoch = 1, -1
@@ -112,7 +116,9 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
     x_local = stack_rows(data.x, exchange_rows(comm, ctx.plans["full"], data.x, "halo_features"))
     optimizer = new_optimizer(cfg, blocks)
     best = BestState()
+    trained = 0
     for epoch in range(cfg.epochs):
+        trained = epoch + 1
         comm.epoch = epoch
         plan: ExchangePlan | list[ExchangePlan] = ctx.plans["train"]
         graph = ctx.graphs["train"]
@@ -136,7 +142,6 @@ def train_end_to_end(ctx: WorkerContext) -> EndToEndResult:
         if best.stale(epoch, cfg.patience):
             break
     best.restore(blocks)
-    trained = epoch + 1
     blocks.eval()
     comm.epoch = -1
     with torch.no_grad():

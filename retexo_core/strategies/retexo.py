@@ -245,10 +245,14 @@ class BatchPlan:
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
 
 
-def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
-    """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included)."""
+def train_layer(ctx: WorkerContext, layer: int, own: Views,
+                initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
+    """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
+    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are)."""
     cfg, comm = ctx.config, ctx.comm
     module = new_layer(ctx, layer, own["full"].shape[1])
+    if initial is not None:
+        module.load_state_dict(initial)
     gen = ctx.generator(layer)  # per-rank dropout masks
     optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
     rounds = cfg.layer_rounds(layer)
@@ -257,7 +261,9 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
     train_rows = ctx.train_rows
     prepared = LayerInputs.exchanged(ctx, layer, module.block, own)
     steps = BatchPlan(ctx, cfg.batch_size)
+    trained = 0
     for round_ in range(rounds):
+        trained = round_ + 1
         comm.epoch = round_
         module.train()
         for batch, divisor in steps.round(gen):
@@ -281,7 +287,6 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views) -> LayerResult:
         if best.stale(round_, cfg.patience):
             break
     best.restore(module)
-    trained = round_ + 1
     module.eval()
     with torch.no_grad():
         computed = {v: prepared.outputs(v) for v in ctx.views}
