@@ -103,8 +103,9 @@ def run_cmd(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a key, e.g. --set train.rounds=50 (repeatable).")] = None,
     store: StoreOption = None,
 ) -> None:
-    """Run the whole pipeline as a Prefect flow: ingest -> partition -> train -> evaluate -> report.
-    Stages whose output is already in the store are reported as cached."""
+    """Run the whole pipeline as a Prefect flow: ingest -> partition -> train -> evaluate -> report
+    (-> promotion gate, with promotion.pipeline set). Stages whose output is already in the store
+    are reported as cached. Exit code 1 when the gate refuses the new run."""
     from flows.params import load_params
     from graphstore.manifests import RunManifest, read_manifest
 
@@ -114,11 +115,19 @@ def run_cmd(
         params = params.model_copy(update={"store": str(store)})
     from flows.pipeline import pipeline_flow  # Prefect is imported only when a flow runs
 
-    result = pipeline_flow(params)
+    state = pipeline_flow(params, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if not isinstance(result, dict):  # a failure before the run finished: its exception
+        raise result
     print_table("stages", ["stage", "status"], list(result["stages"].items()))
     st = open_store(params.store)
     show_run(read_manifest(st.run_dir(result["run"]), RunManifest), [], time.perf_counter() - started)
     out.print(f"report: {result['report']}\nplot:   {result['plot']}")
+    if "promotion" in result:
+        decision = result["promotion"]
+        out.print(f"promotion gate of {decision['pipeline']}: {decision['decision']} ({decision['reason']})")
+    if state.is_failed():
+        raise typer.Exit(1)
 
 
 def register_training_commands(app: typer.Typer) -> None:

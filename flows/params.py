@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from graphstore.errors import ConfigError
 from graphstore.ingest.spec import DatasetSpec
 from graphstore.partition.methods import PartitionOptions
+from graphstore.promotion import PromotionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 
@@ -65,6 +66,7 @@ class PipelineParams(TrainingParams):
 
     preset: str | None = None
     dataset: DatasetSpec | None = Field(None, description="Required, here or in the preset")
+    promotion: PromotionOptions = Field(default_factory=PromotionOptions)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,23 +1,47 @@
-"""``pipeline_flow``: ingest -> partition -> train (every pending layer in one launch) -> report.
+"""``pipeline_flow``: ingest -> partition -> train (every pending layer in one launch) -> report
+[-> promotion gate].
 
 One flow calling the tasks directly (no subflows). Every stage is cached by its store
 fingerprint: a second identical run recomputes nothing and reports each stage as cached; a run
-that failed resumes at the first unfinished layer.
+that failed resumes at the first unfinished layer. With ``promotion.pipeline`` set, the new run is
+judged against the pipeline's promoted model (``tasks.promote``); a refused run ends the flow run
+in state Failed (its summary is the state's data), so a scheduled retraining that did not deliver
+a model is visible as such.
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed, State
 
-from flows.params import PipelineParams
+from flows.params import PipelineParams, RunParams
 from flows.train import train_and_report
+from graphstore.errors import StoreError
 from graphstore.layout import Store
+from graphstore.lookup import find_dataset
+from graphstore.promotion import warm_start_for
+from runner.plan import resolve_warm_start
 from tasks.ingest import ingest_task
 from tasks.partition import partition_task
+from tasks.promote import promote_task
+
+
+def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParams:
+    """``run`` starting from the pipeline's promoted model (``promotion.warm_start``) when that
+    model fits this run; a cold start, with a warning, when it does not."""
+    store = Store.open(run.store)
+    warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
+    train = run.train.model_validate({**run.train.model_dump(), "warm_start": warm})
+    try:
+        resolve_warm_start(store, find_dataset(store, run.dataset), train)
+    except StoreError as exc:
+        get_run_logger().warning("cold start: the promoted model does not fit this run (%s)", exc)
+        return run
+    return run.model_copy(update={"train": train})
 
 
 @flow(name="pipeline")
-def pipeline_flow(params: PipelineParams) -> dict[str, object]:
+def pipeline_flow(params: PipelineParams) -> dict[str, object] | State:
     logger = get_run_logger()
     store_root = str(Store.open(params.store).root)
     dataset = ingest_task(store_root, params.dataset)  # type: ignore[arg-type]
@@ -25,9 +49,21 @@ def pipeline_flow(params: PipelineParams) -> dict[str, object]:
     if params.train.strategy != "centralized":
         partition = partition_task(store_root, str(dataset["fp"]), params.partition)
         stages["partition"] = str(partition["stage"])
-    result = train_and_report(params.run_params(str(dataset["fp"])))
+    run = params.run_params(str(dataset["fp"]))
+    gate = params.promotion
+    if gate.pipeline and gate.warm_start:
+        run = with_pipeline_warm_start(params, run)
+    result = train_and_report(run)
     stages.update(result["stages"])  # type: ignore[arg-type]
+    summary: dict[str, object] = {
+        "run": result["run"], "stages": stages, "test_acc": result["test_acc"], "total_bytes": result["total_bytes"],
+        "report": result["report"], "plot": result["plot"], "dataset": dataset["fp"]}
+    if gate.pipeline:
+        decision = promote_task(run, gate, str(result["run"]))
+        stages["promote"] = str(decision["decision"])
+        summary["promotion"] = decision
     for stage, status in stages.items():
         logger.info("%-10s %s", stage, status)
-    return {"run": result["run"], "stages": stages, "test_acc": result["test_acc"],
-            "total_bytes": result["total_bytes"], "report": result["report"], "plot": result["plot"]}
+    if stages.get("promote") == "refused":
+        return Failed(message=f"not promoted: {summary['promotion']['reason']}", data=summary)  # type: ignore[index]
+    return summary

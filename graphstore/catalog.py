@@ -65,11 +65,13 @@ VIEWS: list[ViewSpec] = [
     ViewSpec(
         "partitions", "json", "partitions/dataset=*/fp=*/manifest.json",
         "dataset, fp AS partition, method, parts, seed, edge_cut, halo_total, dataset_name, objective, "
-        "seconds, created_at",
+        "seconds, created_at, stable_from, kept_nodes, moved_nodes, new_nodes",
         _cols("dataset VARCHAR, partition VARCHAR, method VARCHAR, parts BIGINT, seed BIGINT, edge_cut BIGINT, "
-              "halo_total BIGINT, dataset_name VARCHAR, objective VARCHAR, seconds DOUBLE, created_at TIMESTAMP"),
+              "halo_total BIGINT, dataset_name VARCHAR, objective VARCHAR, seconds DOUBLE, created_at TIMESTAMP, "
+              "stable_from VARCHAR, kept_nodes BIGINT, moved_nodes BIGINT, new_nodes BIGINT"),
         _cols("dataset VARCHAR, fp VARCHAR, method VARCHAR, parts BIGINT, seed BIGINT, edge_cut BIGINT, "
-              "halo_total BIGINT, dataset_name VARCHAR, objective VARCHAR, seconds DOUBLE, created_at TIMESTAMP"),
+              "halo_total BIGINT, dataset_name VARCHAR, objective VARCHAR, seconds DOUBLE, created_at TIMESTAMP, "
+              "stable_from VARCHAR, kept_nodes BIGINT, moved_nodes BIGINT, new_nodes BIGINT"),
     ),
     ViewSpec(
         "partition_nodes", "parquet", "partitions/dataset=*/fp=*/part=*/nodes.parquet",
@@ -130,6 +132,19 @@ VIEWS: list[ViewSpec] = [
         "run, CAST(layer AS INTEGER) AS layer, CAST(part AS INTEGER) AS part, node_id, h",
         _cols("run VARCHAR, layer INTEGER, part INTEGER, node_id BIGINT, h FLOAT[]"),
     ),
+    ViewSpec(
+        "prediction_rows", "parquet", "runs/run=*/layer=*/part=*/predictions.parquet",
+        "run, CAST(part AS INTEGER) AS part, node_id, predicted, score, split",
+        _cols("run VARCHAR, part INTEGER, node_id BIGINT, predicted BIGINT, score FLOAT, split VARCHAR"),
+    ),
+    ViewSpec(
+        "promotions", "json", "pipelines/name=*/decisions/*.json",
+        "pipeline, decided_at, decision, run, dataset, val_acc, incumbent, incumbent_val_acc, "
+        "incumbent_evaluation_run, tolerance, promoted_run, serving_run, reason",
+        _cols("pipeline VARCHAR, decided_at TIMESTAMP, decision VARCHAR, run VARCHAR, dataset VARCHAR, "
+              "val_acc DOUBLE, incumbent VARCHAR, incumbent_val_acc DOUBLE, incumbent_evaluation_run VARCHAR, "
+              "tolerance DOUBLE, promoted_run VARCHAR, serving_run VARCHAR, reason VARCHAR"),
+    ),
 ]
 
 # ``runs``: completed runs (from their manifests) plus runs that only have history so far
@@ -143,6 +158,22 @@ SELECT run, last_event AS status, started AS created_at FROM (
     FROM run_history GROUP BY run
 ) WHERE run NOT IN (SELECT run FROM completed_runs)
 """
+
+# ``predictions``: every completed run's predictions (written by each rank for its own nodes, in
+# the last layer), with the run's dataset version. ``current_predictions``: those of each
+# pipeline's serving run (graphstore.promotion), next to the promoted model's run.
+PREDICTION_VIEWS = """
+CREATE OR REPLACE VIEW predictions AS
+SELECT p.run, r.dataset, p.node_id, p.predicted, p.score, p.split, p.part
+FROM prediction_rows p JOIN completed_runs r ON p.run = r.run;
+CREATE OR REPLACE VIEW current_predictions AS
+SELECT d.pipeline, d.promoted_run, p.run, p.dataset, p.node_id, p.predicted, p.score, p.split
+FROM (
+    SELECT pipeline, arg_max(serving_run, decided_at) AS run, arg_max(promoted_run, decided_at) AS promoted_run
+    FROM promotions GROUP BY pipeline
+) d JOIN predictions p ON p.run = d.run
+"""
+
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
@@ -189,6 +220,7 @@ def refresh_catalog(store: Store) -> None:
         for spec in VIEWS:
             con.execute(view_sql(store, spec))
         con.execute(RUNS_VIEW)
+        con.execute(PREDICTION_VIEWS)
 
 
 ALLOWED_STATEMENTS = {

@@ -144,6 +144,46 @@ def write_tables(folder: Path, num_nodes: int = 60, seed: int = 0, id_offset: in
     return TableFiles(folder / "edges.csv", folder / "nodes.csv", folder / "features.csv")
 
 
+def write_table_version(folder: Path, version: int, num_nodes: int = 400, seed: int = 0) -> TableFiles:
+    """Version 1 or 2 of a small learnable tables graph (the nightly export of a data team).
+
+    Version 1: ``num_nodes`` nodes with ids ``10 + 7 * i``, 4 classes, homophilous edges (each node
+    links to 4 random nodes of its class and 1 of any class), 8 features = class signal + noise, a
+    ``site`` column s0..s2. Version 2 is version 1 plus 5 % new nodes (same rules; their edges
+    reach old nodes too) and the features of every 10th old node redrawn. Same ``seed`` -> same files.
+    """
+
+    def links(rng: np.random.Generator, rows: range, label: np.ndarray) -> list[tuple[int, int]]:
+        pairs = []
+        for i in rows:
+            pairs += [(i, int(j)) for j in rng.choice(np.flatnonzero(label == label[i]), 4)]
+            pairs.append((i, int(rng.integers(0, len(label)))))
+        return [(a, b) for a, b in pairs if a != b]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, extra = np.random.default_rng(seed), np.random.default_rng(seed + 1)
+    centers = rng.standard_normal((4, 8))
+    label = rng.integers(0, 4, num_nodes)
+    x = centers[label] * 0.8 + rng.standard_normal((num_nodes, 8))
+    pairs = links(rng, range(num_nodes), label)
+    if version >= 2:
+        added = num_nodes // 20
+        label = np.concatenate([label, extra.integers(0, 4, added)])
+        x = np.concatenate([x, centers[label[num_nodes:]] * 0.8 + extra.standard_normal((added, 8))])
+        x[:num_nodes:10] = centers[label[:num_nodes:10]] * 0.8 + extra.standard_normal((len(x[:num_nodes:10]), 8))
+        pairs += links(extra, range(num_nodes, num_nodes + added), label)
+    ids = 10 + 7 * np.arange(len(label))
+    (folder / "edges.csv").write_text("src,dst\n" + "".join(f"{ids[a]},{ids[b]}\n" for a, b in pairs))
+    (folder / "nodes.csv").write_text(
+        "node_id,label,site\n" + "".join(f"{n},{label[i]},s{i % 3}\n" for i, n in enumerate(ids))
+    )
+    (folder / "features.csv").write_text(
+        "node_id," + ",".join(f"f{k}" for k in range(8)) + "\n"
+        + "".join(f"{n}," + ",".join(f"{v:.4f}" for v in row) + "\n" for n, row in zip(ids, x))
+    )
+    return TableFiles(folder / "edges.csv", folder / "nodes.csv", folder / "features.csv")
+
+
 def ingest_table_files(store: Store, files: TableFiles, name: str = "tiny", undirected: bool = True) -> DatasetRef:
     return ingest_tables(
         store, name, files.edges, files.nodes, files.features, TableOptions(undirected=undirected), SplitFractions()

@@ -97,3 +97,43 @@ def test_prefect_deployment_run_trains_into_the_store(prefect_env: dict[str, str
     assert manifest["status"] == "completed" and manifest["dataset_name"] == "cora"
     assert manifest["config"]["rounds"] == 3 and manifest["total_bytes"] > 0
     assert (manifests[0].parent / "report" / "accuracy_vs_bytes.png").is_file()
+
+
+def test_nightly_tables_deployment_retrains_only_when_the_export_changes(prefect_env: dict[str, str], tmp_path: Path) -> None:
+    from conftest import write_table_version
+
+    env = prefect_env
+    prefect(env, "work-pool", "create", "retexo", "--type", "process")
+    deployed = prefect(env, "--no-prompt", "deploy", "--all")
+    assert "pipeline/tables-nightly" in deployed.stdout
+    assert "0 3 * * *" in prefect(env, "deployment", "inspect", "pipeline/tables-nightly").stdout
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "retexo"], env=env, cwd=REPO,
+                              stdout=open(Path(env["RETEXO_TEST_LOGS"]) / "nightly-worker.log", "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    store, export = tmp_path / "store", tmp_path / "export"
+    overrides = {"params": {"preset": "configs/nightly_tables.yaml", "store": str(store),
+                            "dataset": {"name": "nightly", "source": "tables", "path": str(export)},
+                            "partition": {"parts": 2},
+                            "train": {"rounds": 20, "hidden": 16, "patience": None},
+                            "promotion": {"tolerance": 1.0}}}
+
+    def nightly_run() -> None:
+        run = prefect(env, "deployment", "run", "pipeline/tables-nightly", "--params", json.dumps(overrides),
+                      "--watch", "--watch-timeout", "600", timeout=660)
+        assert "Completed" in run.stdout, run.stdout
+
+    try:
+        write_table_version(export, 1)
+        nightly_run()
+        write_table_version(export, 2)  # the export job rewrote the files overnight
+        nightly_run()
+    finally:
+        stop(worker)
+    datasets = [json.loads(p.read_text()) for p in store.glob("datasets/name=nightly/fp=*/manifest.json")]
+    assert sorted(d["num_nodes"] for d in datasets) == [400, 420]
+    runs = [json.loads(p.read_text()) for p in store.glob("runs/run=*/manifest.json")]
+    trained = [r for r in runs if r["config"].get("rounds") == 20]
+    assert len(trained) == 2 and {r["dataset"] for r in trained} == {d["fp"] for d in datasets}
+    decisions = [json.loads(p.read_text()) for p in sorted(store.glob("pipelines/name=nightly/decisions/*.json"))]
+    assert [d["decision"] for d in decisions] == ["promoted", "promoted"]
+    assert decisions[1]["incumbent"] == decisions[0]["run"] and decisions[1]["incumbent_evaluation_run"]

@@ -11,13 +11,15 @@ from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic
 from graphstore.ingest.features import RequestedFormat
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
-from graphstore.ingest.tables import TableOptions
+from graphstore.ingest.tables import TableOptions, find_table_files
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, find_dataset
 
 
 class DatasetSpec(BaseModel):
-    """Where the graph comes from. ``source: store`` uses a dataset already ingested under ``name``.
+    """Where the graph comes from. ``source: store`` uses a dataset already ingested under ``name``;
+    ``source: tables`` with ``path`` reads a folder's ``edges``, ``nodes`` and optional ``features``
+    files (a changing export: each content change is a new dataset version).
 
     Relative paths in a preset are resolved against the folder of the YAML file.
     """
@@ -26,8 +28,8 @@ class DatasetSpec(BaseModel):
 
     name: str
     source: Literal["store", "planetoid", "ogb", "tables", "synthetic"] = "store"
-    path: str | None = None  # planetoid / ogb folder
-    edges: str | None = None  # tables
+    path: str | None = None  # planetoid / ogb folder; tables: an export folder with edges.*, nodes.*, features.*
+    edges: str | None = None  # tables (instead of path)
     nodes: str | None = None
     features: str | None = None
     tables: TableOptions = Field(default_factory=TableOptions)
@@ -39,6 +41,10 @@ class DatasetSpec(BaseModel):
     @model_validator(mode="after")
     def _complete(self) -> "DatasetSpec":
         needs = {"planetoid": ["path"], "ogb": ["path"], "tables": ["edges", "nodes"], "synthetic": ["synthetic"]}
+        if self.source == "tables" and self.path is not None:
+            if self.edges or self.nodes or self.features:
+                raise ValueError("source 'tables' takes either path (a folder) or edges / nodes / features files")
+            return self
         missing = [key for key in needs.get(self.source, []) if getattr(self, key) is None]
         if missing:
             raise ValueError(f"source '{self.source}' needs {', '.join(missing)}")
@@ -54,6 +60,10 @@ def ingest_source(store: Store, spec: DatasetSpec) -> DatasetRef:
     if spec.source == "ogb":
         return ingest_ogb(store, Path(spec.path), spec.name, spec.undirected, spec.feature_format)  # type: ignore[arg-type]
     if spec.source == "tables":
-        features = Path(spec.features) if spec.features else None
-        return ingest_tables(store, spec.name, Path(spec.edges), Path(spec.nodes), features, spec.tables, spec.split)  # type: ignore[arg-type]
+        if spec.path is not None:
+            edges, nodes, features = find_table_files(Path(spec.path))
+        else:
+            edges, nodes = Path(spec.edges), Path(spec.nodes)  # type: ignore[arg-type]
+            features = Path(spec.features) if spec.features else None
+        return ingest_tables(store, spec.name, edges, nodes, features, spec.tables, spec.split)
     return ingest_synthetic(store, spec.name, spec.synthetic, spec.split)  # type: ignore[arg-type]

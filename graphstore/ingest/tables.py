@@ -50,6 +50,22 @@ class TableOptions(BaseModel):
     feature_format: RequestedFormat = "auto"
 
 
+def find_table_files(folder: Path) -> tuple[Path, Path, Path | None]:
+    """(edges, nodes, features or None) of an export folder: files named ``edges``, ``nodes`` and
+    ``features`` with a table suffix (features may also be ``.json``); exactly one of each."""
+    if not folder.is_dir():
+        raise InputError(str(folder), "tables folder does not exist")
+    found: dict[str, Path | None] = {}
+    for role, suffixes in (("edges", TABLE_SUFFIXES), ("nodes", TABLE_SUFFIXES), ("features", TABLE_SUFFIXES + (".json",))):
+        matches = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower() in {role + s for s in suffixes})
+        if len(matches) > 1:
+            raise InputError(str(folder), f"several {role} files ({', '.join(p.name for p in matches)}): keep one")
+        if not matches and role != "features":
+            raise InputError(str(folder), f"no {role} file (expected {role}.csv, {role}.parquet, ...)")
+        found[role] = matches[0] if matches else None
+    return found["edges"], found["nodes"], found["features"]  # type: ignore[return-value]
+
+
 def read_any_table(path: Path) -> pa.Table:
     """Read a CSV or Parquet file; wrong type, unreadable or empty files raise ``InputError``."""
     if not path.is_file():
