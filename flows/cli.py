@@ -76,8 +76,11 @@ def show_partition(store: Store, ref: PartitionRef) -> None:
         "SELECT part, owned_nodes, local_edges, cut_edges, halo_nodes, train, val, test, balance "
         f"FROM partition_stats WHERE partition = '{ref.fp}' ORDER BY part",
     )
+    m = ref.manifest
+    anchor = (f"; stable from {m.stable_from}: {m.kept_nodes} nodes kept their part, {m.moved_nodes} moved, "
+              f"{m.new_nodes} new" if m.stable_from else "")
     print_table(f"partition {ref.fp} ({ref.method}, {ref.parts} parts): {status}; edge cut {ref.edge_cut}, "
-                f"halo total {ref.halo_total}", columns, rows)
+                f"halo total {ref.halo_total}{anchor}", columns, rows)
 
 
 @ingest_app.command("planetoid")

@@ -61,7 +61,8 @@ class PipelineParams(TrainingParams):
     """The whole job: dataset -> partition -> train -> evaluate (a preset in ``configs/``).
 
     With ``preset`` (a YAML file, relative to the working directory) the preset is loaded first
-    and the other fields given here override it, key by key.
+    and the other fields given here override it, key by key. ``promotion.pipeline`` turns on the
+    promotion gate (``tasks.promote``).
     """
 
     preset: str | None = None

@@ -20,6 +20,7 @@ from graphstore.errors import StoreError
 from graphstore.layout import Store
 from graphstore.lookup import find_dataset
 from graphstore.promotion import warm_start_for
+from retexo_core.config import TrainConfig
 from runner.plan import resolve_warm_start
 from tasks.ingest import ingest_task
 from tasks.partition import partition_task
@@ -31,7 +32,7 @@ def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParam
     model fits this run; a cold start, with a warning, when it does not."""
     store = Store.open(run.store)
     warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
-    train = run.train.model_validate({**run.train.model_dump(), "warm_start": warm})
+    train = TrainConfig.model_validate({**run.train.model_dump(), "warm_start": warm})
     try:
         resolve_warm_start(store, find_dataset(store, run.dataset), train)
     except StoreError as exc:
