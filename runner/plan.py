@@ -59,7 +59,7 @@ def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -
     if config.warm_start is None:
         return config
     warm = completed_run(store, config.warm_start)
-    base = TrainConfig.model_validate({**warm.config, "warm_start": None})
+    base = TrainConfig.model_validate(warm.config)
     source = find_dataset(store, warm.dataset)
     checks = {
         "model": (base.model, config.model), "layers": (base.layers, config.layers),

@@ -179,6 +179,9 @@ def test_warm_start_with_zero_rounds_reproduces_the_model_and_sends_only_its_exc
     assert again.config.warm_start == trained.run_fp and again.run_fp != trained.run_fp
     first, second = (json.loads((p.store.run_dir(p.run_fp) / "manifest.json").read_text()) for p in (trained, again))
     assert first["evaluation"] == second["evaluation"]
+    chained = train(store, dataset, partition,  # an evaluation run is itself a valid warm start
+                    small_config(strategy=strategy, rounds=0, epochs=0, warm_start=again.run_fp))
+    assert json.loads((chained.store.run_dir(chained.run_fp) / "manifest.json").read_text())["evaluation"] == first["evaluation"]
     h = halo_total(partition)
     exchanges = {"halo_features": 4 * F * h, "halo_embeddings": 4 * HIDDEN * h}  # one forward pass, no training
     assert {k: v for k, v in comm_log(again).items() if k != "control"} == exchanges
