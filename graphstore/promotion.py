@@ -7,15 +7,13 @@ all, and ``current_predictions`` follows each pipeline's newest ``serving_run``.
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from graphstore.errors import StoreError
+from graphstore.history import append_record
 from graphstore.layout import TMP_PREFIX, Store
 from graphstore.lookup import completed_run
 from graphstore.manifests import utc_now
@@ -67,12 +65,7 @@ def decisions_dir(store: Store, pipeline: str) -> Path:
 
 def record_decision(store: Store, record: PromotionRecord) -> None:
     """Append one decision (a new file, written atomically)."""
-    folder = decisions_dir(store, record.pipeline)
-    folder.mkdir(parents=True, exist_ok=True)
-    name = f"{record.decided_at.replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:8]}.json"
-    temp = folder / f"{TMP_PREFIX}{name}"
-    temp.write_text(json.dumps(record.model_dump()) + "\n")
-    os.rename(temp, folder / name)
+    append_record(decisions_dir(store, record.pipeline), record.decided_at, record.decision, record.model_dump())
 
 
 def latest_decision(store: Store, pipeline: str) -> PromotionRecord | None:
