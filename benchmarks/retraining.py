@@ -34,7 +34,7 @@ from common import cora, mb  # noqa: E402  (puts the project on sys.path)
 from graphstore.ingest.api import ingest_synthetic, ingest_tables  # noqa: E402
 from graphstore.ingest.splits import SplitFractions  # noqa: E402
 from graphstore.ingest.synthetic import SyntheticOptions  # noqa: E402
-from graphstore.ingest.tables import TableOptions  # noqa: E402
+from graphstore.ingest.tables import TableOptions, find_table_files  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef, PartitionRef  # noqa: E402
 from graphstore.manifests import LayerManifest, RunManifest, read_manifest  # noqa: E402
@@ -77,11 +77,8 @@ def export_versions(dataset: DatasetRef, folder: Path) -> list[Path]:
 
 
 def ingest(store: Store, name: str, folder: Path) -> DatasetRef:
-    """One export as a dataset (its split column is used as given)."""
-    features = next(folder.glob("features.*"))
-    return ingest_tables(store, name, folder / next(p.name for p in folder.glob("edges.*")),
-                         folder / next(p.name for p in folder.glob("nodes.*")), features,
-                         TableOptions(undirected=True), SplitFractions())
+    """One export as a dataset (its split column is used as given), found as the pipeline finds it."""
+    return ingest_tables(store, name, *find_table_files(folder), TableOptions(undirected=True), SplitFractions())
 
 
 def moved_nodes(old: PartitionRef, new: PartitionRef) -> int:

@@ -9,6 +9,7 @@ run in the store (cached, with its bytes logged and its predictions on the new n
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -38,14 +39,14 @@ def decide(params: RunParams, gate: PromotionOptions, candidate: RunManifest) ->
     store = Store.open(params.store)
     pipeline = str(gate.pipeline)
     current = latest_decision(store, pipeline)
-    common = dict(pipeline=pipeline, run=candidate.fp, dataset=candidate.dataset, val_acc=candidate.val_acc or 0.0,
-                  tolerance=gate.tolerance)
+    common: dict[str, Any] = dict(pipeline=pipeline, run=candidate.fp, dataset=candidate.dataset,
+                                  val_acc=candidate.val_acc or 0.0, tolerance=gate.tolerance)
     if current is None:
         return PromotionRecord(**common, decision="promoted", incumbent=None, incumbent_val_acc=None,
                                incumbent_evaluation_run=None, promoted_run=candidate.fp, serving_run=candidate.fp,
                                reason="first run of the pipeline")
     if current.promoted_run == candidate.fp:
-        return current.model_copy(update={"decision": "kept", "decided_at": utc_now(),
+        return current.model_copy(update={**common, "decision": "kept", "decided_at": utc_now(),
                                           "reason": "the promoted model is this run: nothing changed"})
     incumbent = completed_run(store, current.promoted_run)
     if incumbent.strategy in WARM_STARTABLE:
@@ -53,9 +54,9 @@ def decide(params: RunParams, gate: PromotionOptions, candidate: RunManifest) ->
         old_acc, evaluation_run, where = evaluation.val_acc or 0.0, evaluation.fp, "re-evaluated on this data"
     else:  # tma / grappa models cannot be loaded into a run: compare with what they scored on their data
         old_acc, evaluation_run, where = incumbent.val_acc or 0.0, None, "as recorded on its own data"
-    promoted = passes_gate(candidate.val_acc or 0.0, old_acc, gate.tolerance)
+    promoted = passes_gate(common["val_acc"], old_acc, gate.tolerance)
     verdict = ">=" if promoted else "<"
-    reason = (f"val accuracy {candidate.val_acc:.4f} {verdict} {old_acc:.4f} - {gate.tolerance:g} "
+    reason = (f"val accuracy {common['val_acc']:.4f} {verdict} {old_acc:.4f} - {gate.tolerance:g} "
               f"(promoted run {incumbent.fp}, {where})")
     return PromotionRecord(**common, decision="promoted" if promoted else "refused", incumbent=incumbent.fp,
                            incumbent_val_acc=old_acc, incumbent_evaluation_run=evaluation_run,

@@ -93,7 +93,7 @@ def test_nightly_runs_across_a_source_change(tmp_path: Path) -> None:
     state, third = run(nightly(store, export))
     assert all(status == "cached" for stage, status in third["stages"].items() if stage != "promote"), third["stages"]
     assert third["run"] == second["run"]
-    assert third["promotion"]["promoted_run"] == decision["promoted_run"]
+    assert third["promotion"]["promoted_run"] == decision["promoted_run"] and third["promotion"]["run"] == third["run"]
     history = sql(store, "SELECT decision FROM promotions ORDER BY decided_at")
     assert [h[0] for h in history] == ["promoted", decision["decision"],
                                        "kept" if decision["decision"] == "promoted" else "refused"]
@@ -113,6 +113,14 @@ def test_the_gate_refuses_a_worse_model_and_promotes_within_tolerance(tmp_path: 
     assert refusal["val_acc"] < refusal["incumbent_val_acc"] - 0.005
     assert refusal["promoted_run"] == refusal["incumbent"] and refusal["serving_run"] == refusal["incumbent_evaluation_run"]
     assert sql(store, "SELECT count(*) FROM current_predictions") == [(420,)]
+
+    # the export goes back to version 1: the candidate is the promoted run itself, and the record says so
+    publish(export, 1, tmp_path)
+    state, again = run(nightly(store, export))
+    assert state == "COMPLETED" and again["run"] == refusal["promoted_run"]
+    assert {k: again["promotion"][k] for k in ("decision", "run", "promoted_run")} == {
+        "decision": "kept", "run": again["run"], "promoted_run": again["run"]}
+    publish(export, 2, tmp_path)
 
     # the same worse model passes when the tolerance covers the gap
     relaxed = nightly(store, export, rounds=1, lr=1e-6).model_dump()
