@@ -3,12 +3,20 @@
 A reader sees an artefact only when ``<dir>/manifest.json`` exists, and the manifest is written
 inside the temp folder just before the rename, so a crash at any point leaves either nothing or
 a complete artefact. Leftover ``.tmp-*`` folders are invisible and removed by ``retexo store gc``.
+
+``commit_directory`` is the one place where artefact folders are committed (datasets, partitions,
+layers; a run's own files are written by ``runner.finalize`` with ``atomic_write_file``), and it
+records the sha256, size and mtime of every file of the folder in the manifest's ``files``
+(``graphstore.integrity``). ``atomic_artefact`` keeps an existing target only when it passes the
+quick integrity check; a target with an unreadable manifest or changed files is replaced (with
+a warning naming the file), so re-running the command that wrote a corrupt artefact repairs it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -18,8 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from graphstore.errors import StoreError
-from graphstore.layout import MANIFEST, TMP_PREFIX, Store
+from graphstore.integrity import corruption, folder_digests, take_recorded_digests
+from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
 from graphstore.manifests import Manifest, manifest_json
+
+log = logging.getLogger(__name__)
 
 
 def _lock_path(store: Store, target: Path) -> Path:
@@ -85,21 +96,31 @@ def temp_sibling(target: Path) -> Path:
 def commit_directory(temp: Path, target: Path, manifest: Manifest, contents_synced: bool = False) -> None:
     """Write the manifest into ``temp`` (last), fsync, rename ``temp`` to ``target``.
 
+    The manifest's ``files`` are the digests of the files in ``temp``: computed here (streamed),
+    or by the files' writers (``graphstore.integrity.record_digests``: each rank its own part), or
+    given by the caller (``graphstore.runs.link_layer``: the verified digests of the linked files).
     The caller holds the writer lock of ``target`` (possibly in a parent process). With
     ``contents_synced`` the writers of the files already fsynced them (each worker its own part),
-    so only the manifest and the folder are synced here. A folder at ``target`` without a
-    manifest (a foreign or damaged leftover) is replaced.
+    so only the manifest and the folder are synced here. A folder at ``target`` (a foreign
+    or damaged leftover, or a corrupt artefact being rebuilt) is replaced.
     """
+    known = take_recorded_digests(temp)
+    if manifest.files is None:
+        manifest = manifest.model_copy(update={"files": folder_digests(temp, manifest.kind, known)})
     (temp / MANIFEST).write_text(manifest_json(manifest))
     if contents_synced:
         fsync_file(temp / MANIFEST)
         fsync_file(temp)
     else:
         fsync_tree(temp)
-    if target.exists():
-        shutil.rmtree(target)
+    replaced = None
+    if target.exists():  # moved aside first: a crash now leaves a temp folder for `retexo store gc`
+        replaced = temp_sibling(target)
+        os.rename(target, replaced)
     os.rename(temp, target)
     fsync_file(target.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced)
 
 
 class ArtefactWriter:
@@ -123,7 +144,9 @@ def atomic_artefact(store: Store, target: Path) -> Iterator[ArtefactWriter]:
 
     The caller fills ``writer.path`` and ``writer.manifest``; on normal exit the manifest is
     written last and the folder renamed to ``target``. On any exception the temp folder is removed
-    and ``target`` is untouched. If another writer completed ``target`` first, it is kept.
+    and ``target`` is untouched. If another writer completed ``target`` first, it is kept, unless
+    it fails the quick integrity check (an unreadable manifest, a listed file missing or changed):
+    then it is replaced, with a warning naming the file.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     with writer_lock(store, target):
@@ -131,9 +154,13 @@ def atomic_artefact(store: Store, target: Path) -> Iterator[ArtefactWriter]:
         writer.path.mkdir()
         try:
             yield writer
-            if (target / MANIFEST).is_file():
+            complete = is_complete(target)
+            problem = corruption(target) if complete else None
+            if complete and problem is None:
                 shutil.rmtree(writer.path)
             else:
+                if problem is not None:
+                    log.warning("replacing the corrupt artefact %s (%s: %s)", target, problem.path, problem.problem)
                 writer.commit()
         except BaseException:
             shutil.rmtree(writer.path, ignore_errors=True)

@@ -1,15 +1,19 @@
-"""Listing artefacts and removing what crashed writers left behind."""
+"""Listing artefacts and removing what crashed writers left behind, and corrupt artefacts
+(``remove_corrupt``, after ``graphstore.integrity.verify_store``)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphstore.atomic import lock_is_free
+from graphstore.atomic import lock_is_free, temp_sibling, writer_lock
 from graphstore.errors import StoreError
+from graphstore.history import mark_abandoned_runs
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
 from graphstore.manifests import read_any_manifest
+from graphstore.integrity import ArtefactCheck, artefact_files, check_folder, manifest_stamp
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,9 @@ def stale_temp_paths(store: Store) -> list[Path]:
 
 
 def garbage_collect(store: Store) -> list[tuple[Path, int]]:
-    """Remove stale temp folders and files; returns (path, bytes freed) for each."""
+    """Remove stale temp folders and files; returns (path, bytes freed) for each. Runs left
+    ``started`` by a launcher that is gone are marked ``interrupted`` first."""
+    mark_abandoned_runs(store)
     removed = []
     for path in stale_temp_paths(store):
         size = folder_bytes(path) if path.is_dir() else path.stat().st_size
@@ -67,3 +73,63 @@ def garbage_collect(store: Store) -> list[tuple[Path, int]]:
             path.unlink()
         removed.append((path, size))
     return removed
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove_corrupt`` did with one corrupt artefact."""
+
+    check: ArtefactCheck
+    resolved: bool  # True: removed (or replaced meanwhile by an intact one, or already gone)
+    note: str  # what was removed, or why nothing was
+
+
+def _discard(folder: Path) -> None:
+    """Remove an artefact folder: renamed out of sight first (a reader sees it whole or not at all;
+    a crash mid-way leaves a temp folder for ``retexo store gc``), then deleted."""
+    hidden = temp_sibling(folder)
+    os.rename(folder, hidden)
+    shutil.rmtree(hidden)
+
+
+def _discard_run_files(folder: Path) -> None:
+    """Remove a run's own artefact: its manifest first (the run is then no longer complete), then
+    the files directly in its folder. Its layers, events, logs and report stay."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    for name in artefact_files(folder, "run"):
+        (folder / name).unlink(missing_ok=True)
+
+
+def _remove_one(store: Store, check: ArtefactCheck) -> Removal:
+    """Remove one corrupt artefact; the caller holds its writer lock."""
+    if not check.folder.exists():
+        return Removal(check, True, "already gone")
+    if manifest_stamp(check.folder) != check.manifest_stamp and not check_folder(store, check.folder).corrupt:
+        return Removal(check, True, "rewritten meanwhile and now intact: kept")
+    if check.kind == "unknown":
+        return Removal(check, False, "not a kind of artefact the store knows: kept")
+    if check.kind == "run":
+        _discard_run_files(check.folder)
+        return Removal(check, True, "removed the run's manifest and files (its layers stay)")
+    _discard(check.folder)
+    return Removal(check, True, "removed")
+
+
+def remove_corrupt(store: Store, checks: list[ArtefactCheck], wait_seconds: float = 30.0) -> list[Removal]:
+    """Remove every corrupt artefact of ``checks`` (``verify_store``) under its writer lock.
+
+    A dataset, partition or layer folder is removed whole; of a run only its own files (manifest,
+    comm, metrics, evaluation), so that its layers and history stay and the next ``retexo train``
+    of it finalises it again. An artefact that a writer replaced since it was checked is checked
+    again and kept when it is now intact; one whose lock stays taken for ``wait_seconds`` is left
+    alone (a writer is busy with it). Dependent artefacts are not removed: a partition of a removed
+    dataset, or the later layers of a run, are rebuilt or replaced by the next run that needs them.
+    """
+    removals = []
+    for check in (c for c in checks if c.corrupt):
+        try:
+            with writer_lock(store, check.folder, wait_seconds=wait_seconds):
+                removals.append(_remove_one(store, check))
+        except StoreError:
+            removals.append(Removal(check, False, f"a writer holds its lock (waited {wait_seconds:.0f} s): kept"))
+    return removals

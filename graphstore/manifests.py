@@ -4,6 +4,11 @@ An artefact folder exists for readers only once its manifest is written (``graph
 the manifest says what the folder holds. Each kind has a pydantic model here; unknown keys of
 older stores are ignored on reading, and a missing, truncated or invalid manifest is reported as
 a ``StoreError`` that names the file.
+
+Every manifest lists the artefact's files (``Manifest.files``: path relative to the folder ->
+sha256, size in bytes and mtime in ns at commit), filled in by ``graphstore.atomic.commit_directory``
+(``graphstore.integrity.folder_digests``) and checked by ``graphstore.integrity``. Manifests
+written before checksums were recorded have ``files = None``: readable, but unverifiable.
 """
 
 from __future__ import annotations
@@ -25,14 +30,29 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
+class FileDigest(BaseModel):
+    """One file of an artefact as it was committed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sha256: str  # hex digest of the file's bytes
+    size: int  # bytes
+    mtime_ns: int  # modification time (ns since the epoch): with ``size``, the cheap change detector
+
+
 class Manifest(BaseModel):
-    """Fields every manifest has."""
+    """Fields every manifest has.
+
+    ``files``: relative path (``/``-separated) -> ``FileDigest`` of every file the artefact consists
+    of (``graphstore.integrity.artefact_files``), None in manifests of older stores.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     kind: str
     fp: str
     created_at: str = Field(default_factory=utc_now)
+    files: dict[str, FileDigest] | None = None
 
 
 class DatasetManifest(Manifest):
@@ -164,7 +184,8 @@ def _parse(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise StoreError(f"no manifest at {path}: the artefact does not exist or was never completed") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StoreError(f"{path}: corrupt manifest ({exc}); remove the folder so that it is rebuilt") from None
+        raise StoreError(f"{path}: corrupt manifest ({exc}); re-run the command that wrote it, or run "
+                         "`retexo store verify --repair` to remove it so that it is rebuilt") from None
     if not isinstance(payload, dict):
         raise StoreError(f"{path}: corrupt manifest (expected a JSON object)")
     return payload

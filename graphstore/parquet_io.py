@@ -16,10 +16,15 @@ Tables (README "The store"):
   A partition's ``part=i/nodes.parquet`` carries its owned nodes' rows in the same layout.
 
 scipy is imported inside the functions that need it (it adds ~0.15 s to every CLI start).
+
+Reading goes through ``read_table`` (or ``parquet_errors``), so that a missing or corrupt file is a
+``StoreError`` naming it, not a pyarrow message about ``'<Buffer>'``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
 
@@ -211,7 +216,41 @@ def edges_table(src: np.ndarray, dst: np.ndarray) -> pa.Table:
     return pa.table({"src": pa.array(src, pa.int64()), "dst": pa.array(dst, pa.int64())})
 
 
+def repair_hint(path: Path) -> str:
+    """What to do about a corrupt file of the store at ``path``: datasets are not rebuilt by a later
+    command, everything else (partitions, layers, runs) is."""
+    parts = Path(path).parts
+    if any(a == "datasets" and b.startswith("name=") for a, b in zip(parts, parts[1:])):
+        return "run `retexo store verify --repair` to remove it, then ingest the data again"
+    return "run `retexo store verify --repair` to remove it so that it is rebuilt"
+
+
+def parquet_problem(exc: BaseException) -> str:
+    """A short, one-line reason from a pyarrow error (without pyarrow's ``'<Buffer>'`` preamble)."""
+    text = " ".join(str(exc).split())
+    if ": " in text and text.startswith("Could not open Parquet input source"):
+        text = text.split(": ", 1)[1]
+    text = text.split(". ")[0].rstrip(".")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+@contextmanager
+def parquet_errors(path: Path) -> Iterator[None]:
+    """Turn pyarrow's errors while reading ``path`` into one ``StoreError`` line naming the file."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing; {repair_hint(path)}") from None
+    except PermissionError:
+        raise StoreError(f"{path}: not readable (permission denied); check the store's file permissions") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise StoreError(f"{path}: corrupt Parquet file ({parquet_problem(exc)}); {repair_hint(path)}") from None
+
+
 def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """Read a Parquet file through a Python file object, so that ``open`` audit hooks see it."""
-    with open(path, "rb") as handle:
+    """Read a Parquet file through a Python file object, so that ``open`` audit hooks see it.
+
+    A missing or unreadable file (truncated, not Parquet) is a ``StoreError`` naming ``path``.
+    """
+    with parquet_errors(path), open(path, "rb") as handle:
         return pq.read_table(handle, columns=columns)

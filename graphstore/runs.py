@@ -6,6 +6,9 @@
 also holds ``metrics.parquet`` (training curves), ``evaluation.parquet`` (metrics per split) and
 ``part=<i>/predictions.parquet`` (``node_id, predicted, score, split`` of the nodes part i owns,
 written by rank i: predictions stay where their nodes are).
+
+A linked layer is verified first: its files, as linked, must match the sha256 checksums of the
+source's manifest, which the new manifest then carries (``graphstore.integrity``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from graphstore.atomic import atomic_artefact
+from graphstore.integrity import verify_digests
 from graphstore.layout import MANIFEST, Store
 from graphstore.manifests import LayerManifest, read_manifest
 from graphstore.parquet_io import COMPRESSION, features_array, features_matrix, read_table
@@ -47,7 +51,15 @@ def read_embeddings(path: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 
 def link_layer(store: Store, source: Path, target: Path, run_fp: str) -> None:
-    """Reuse a finished layer in another run: hard links (copies across devices), committed atomically."""
+    """Reuse a finished layer in another run: hard links (copies across devices), committed atomically.
+
+    The files as linked are hashed against the source manifest's checksums before the commit, so
+    what is committed is what was verified; a difference is a ``StoreError`` naming the source
+    file, and nothing is committed (``find_layer`` already skips sources that differ). The new
+    manifest carries the source's digests (a source without checksums, from an older store, gets
+    digests of the files as linked).
+    """
+    manifest = read_manifest(source, LayerManifest)
     with atomic_artefact(store, target) as writer:
         for path in source.rglob("*"):
             if path.name == MANIFEST and path.parent == source:
@@ -60,6 +72,7 @@ def link_layer(store: Store, source: Path, target: Path, run_fp: str) -> None:
             try:
                 os.link(path, dest)
             except OSError:
-                shutil.copy2(path, dest)
-        manifest = read_manifest(source, LayerManifest)
+                shutil.copy2(path, dest)  # keeps the mtime: the digests' size and mtime still hold
+        if manifest.files is not None:
+            verify_digests(writer.path, manifest.files, source)
         writer.manifest = manifest.model_copy(update={"run": run_fp, "reused_from": str(source.relative_to(store.root))})

@@ -5,6 +5,10 @@ owner (and sorted by id within an owner). Every edge has its destination among t
 
 Features come in the dataset's layout (the manifests' ``feature_format``): a dense float32 tensor,
 or a :class:`retexo_core.sparse.SparseMatrix` for sparse (bag-of-words) datasets, never densified.
+
+The files are hashed against the sha256 checksums of the manifest that lists them before they are
+read (``graphstore.integrity.verify_files``; the manifest is parsed once per process): a file
+changed after it was written is a ``StoreError`` naming it, never silently trained on.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from graphstore.manifests import DatasetManifest, PartitionManifest, read_manifest
+from graphstore.integrity import verify_files
+from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import feature_columns, features_of, read_table
 from retexo_core.sparse import SparseMatrix
 
@@ -71,8 +76,10 @@ class PartData:
 
 
 def load_part(partition_dir: Path, part: int) -> PartData:
-    """Read ``part=<part>/{nodes,edges,halo}.parquet`` (and the partition manifest) only."""
-    meta = read_manifest(partition_dir, PartitionManifest)
+    """Read ``part=<part>/{nodes,edges,halo}.parquet`` (and the partition manifest) only, after
+    hashing them against the manifest's checksums."""
+    names = [f"part={part}/{name}.parquet" for name in ("nodes", "edges", "halo")]
+    meta = verify_files(partition_dir, names, PartitionManifest)
     folder = partition_dir / f"part={part}"
     nodes = read_table(folder / "nodes.parquet")
     edges = read_table(folder / "edges.parquet")
@@ -129,8 +136,9 @@ def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.
 
 
 def load_whole_graph(dataset_dir: Path) -> PartData:
-    """The whole dataset as a single partition (for centralized training): no halo."""
-    manifest = read_manifest(dataset_dir, DatasetManifest)
+    """The whole dataset as a single partition (for centralized training): no halo. Its three files
+    are hashed against the dataset manifest first."""
+    manifest = verify_files(dataset_dir, ["nodes.parquet", "features.parquet", "edges.parquet"], DatasetManifest)
     nodes = read_table(dataset_dir / "nodes.parquet", columns=["node_id", "label", "split"])
     features = read_table(dataset_dir / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset_dir / "edges.parquet")

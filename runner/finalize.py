@@ -12,13 +12,14 @@ from graphstore.atomic import atomic_write_file, writer_lock
 from graphstore.errors import StoreError
 from graphstore.layout import MANIFEST, is_complete
 from graphstore.manifests import LayerManifest, LayerRef, RunManifest, manifest_json, read_manifest
-from graphstore.parquet_io import COMPRESSION
+from graphstore.integrity import folder_digests
+from graphstore.parquet_io import COMPRESSION, read_table
 from retexo_core.comm.network import bytes_by_kind, simulated_seconds, total_bytes
 from runner.plan import CODE_VERSION, RunPlan, run_label
 
 
 def read_concat(paths: list[Path]) -> pa.Table:
-    tables = [pq.read_table(p) for p in paths]
+    tables = [read_table(p) for p in paths]
     return pa.concat_tables(tables) if tables else pa.table({})
 
 
@@ -37,7 +38,7 @@ def finalize_run(plan: RunPlan) -> RunManifest:
         raise StoreError(f"run {plan.run_fp} cannot be finalised: missing {', '.join(missing)}")
     comm = read_concat(sorted(p for d in layer_dirs for p in d.glob("part=*/comm.parquet")))
     metrics = read_concat([d / "metrics.parquet" for d in layer_dirs if (d / "metrics.parquet").is_file()])
-    evaluation = pq.read_table(layer_dirs[-1] / "evaluation.parquet")
+    evaluation = read_table(layer_dirs[-1] / "evaluation.parquet")
     layers = [read_manifest(d, LayerManifest) for d in layer_dirs]
     rows = evaluation.to_pylist()
     accuracy = {r["split"]: r["accuracy"] for r in rows}
@@ -54,5 +55,6 @@ def finalize_run(plan: RunPlan) -> RunManifest:
     with writer_lock(store, run_dir):
         for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):
             atomic_write_file(store, run_dir / name, parquet_bytes(table))
+        manifest = manifest.model_copy(update={"files": folder_digests(run_dir, "run")})  # sha256 of the files above
         atomic_write_file(store, run_dir / MANIFEST, manifest_json(manifest).encode())
     return manifest
