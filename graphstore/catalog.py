@@ -1,27 +1,48 @@
-"""The DuckDB catalog: SQL views over the store's Parquet/JSON files, and nothing else.
+"""The DuckDB catalog: SQL views over the store's Parquet/JSON files, and the read-only ``retexo sql``.
 
-Views are ``CREATE OR REPLACE VIEW … read_parquet(glob, hive_partitioning = true)``, so the catalog
-is rebuilt from the files at any time (``refresh_catalog``); a view whose glob matches no file yet
-is an empty view with the same columns, so users' SQL never breaks on an empty store. Run history
-is files too (``graphstore.history``). Column names are a contract: add, never rename.
+Every view is built by one function, ``create_views``, in two places:
+
+- ``query`` (``retexo sql``) opens a fresh in-memory DuckDB connection per query, locks it down to
+  the store (``lock_down``: only files under the store root can be read, no network, no extension
+  install or load, configuration locked), creates the views the query needs plus their
+  dependencies, and runs the query under a time limit (``connection.interrupt()`` from a timer).
+  It never opens ``catalog.duckdb``, so it neither waits for nor blocks a writer. A store holding a
+  symbolic link is not queried at all (``refuse_links_out``).
+- ``refresh_catalog`` (at the end of ingest / partition / train) writes the same views into a new
+  DuckDB file next to ``catalog.duckdb`` and renames it into place, for users who open the catalog
+  with the duckdb CLI or Python. Readers holding the old file keep it; nothing waits on a DuckDB lock.
+  A failure there is logged, never raised: the data is already committed.
+
+A view is built over the list of files that exist when it is created (hidden names such as
+writers' ``.tmp-*`` excluded), so the catalog file shows the files of its last refresh. A view
+with no file is an empty view with the same columns, so users' SQL never breaks on an empty
+store. A file that cannot be read (Parquet footer or schema, malformed manifest JSON) makes its
+view an *unreadable* view: same columns, and reading it fails with one line naming the file, so
+corruption in one place breaks only the queries that read it. Run history is files too
+(``graphstore.history``), so the catalog holds views only. Column names are a contract: add, never
+rename.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import duckdb
 
-from graphstore.atomic import writer_lock
-from graphstore.errors import RetexoError
+from graphstore.atomic import fsync_file, temp_sibling, writer_lock
+from graphstore.errors import RetexoError, StoreError
 from graphstore.layout import Store
 
 log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+REPAIR_HINT = "run `retexo store verify --repair`"
 
 
 @dataclass(frozen=True)
@@ -95,7 +116,7 @@ VIEWS: list[ViewSpec] = [
         _cols("partition VARCHAR, part INTEGER, owned_nodes BIGINT, local_edges BIGINT, cut_edges BIGINT, "
               "halo_nodes BIGINT, train BIGINT, val BIGINT, test BIGINT, balance DOUBLE"),
     ),
- ViewSpec(
+    ViewSpec(
         "completed_runs", "json", "runs/run=*/manifest.json",
         "fp AS run, dataset, partition, strategy, model, setting, test_acc, val_acc, total_bytes, sim_comm_s, "
         "wall_s, status, dataset_name, label, method, parts, created_at",
@@ -147,9 +168,14 @@ VIEWS: list[ViewSpec] = [
     ),
 ]
 
+# Views over other views: name -> (the views they read, their SQL).
 # ``runs``: completed runs (from their manifests) plus runs that only have history so far
 # (started / failed), with the latest event as their status.
-RUNS_VIEW = """
+# ``predictions``: every completed run's predictions (written by each rank for its own nodes, in
+# the last layer), with the run's dataset version. ``current_predictions``: those of each
+# pipeline's serving run (graphstore.promotion), next to the promoted model's run.
+DERIVED_VIEWS: dict[str, tuple[tuple[str, ...], str]] = {
+    "runs": (("completed_runs", "run_history"), """
 CREATE OR REPLACE VIEW runs AS
 SELECT * FROM completed_runs
 UNION ALL BY NAME
@@ -157,70 +183,199 @@ SELECT run, last_event AS status, started AS created_at FROM (
     SELECT run, arg_max(event, happened_at) AS last_event, min(happened_at) AS started
     FROM run_history GROUP BY run
 ) WHERE run NOT IN (SELECT run FROM completed_runs)
-"""
-
-# ``predictions``: every completed run's predictions (written by each rank for its own nodes, in
-# the last layer), with the run's dataset version. ``current_predictions``: those of each
-# pipeline's serving run (graphstore.promotion), next to the promoted model's run.
-PREDICTION_VIEWS = """
+"""),
+    "predictions": (("prediction_rows", "completed_runs"), """
 CREATE OR REPLACE VIEW predictions AS
 SELECT p.run, r.dataset, p.node_id, p.predicted, p.score, p.split, p.part
-FROM prediction_rows p JOIN completed_runs r ON p.run = r.run;
+FROM prediction_rows p JOIN completed_runs r ON p.run = r.run
+"""),
+    "current_predictions": (("promotions", "predictions"), """
 CREATE OR REPLACE VIEW current_predictions AS
 SELECT d.pipeline, d.promoted_run, p.run, p.dataset, p.node_id, p.predicted, p.score, p.split
 FROM (
     SELECT pipeline, arg_max(serving_run, decided_at) AS run, arg_max(promoted_run, decided_at) AS promoted_run
     FROM promotions GROUP BY pipeline
 ) d JOIN predictions p ON p.run = d.run
-"""
+"""),
+}
+
+VIEW_NAMES: tuple[str, ...] = (*(spec.name for spec in VIEWS), *DERIVED_VIEWS)
+
+
+# --------------------------------------------------------------------------- building views
 
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def view_sql(store: Store, spec: ViewSpec) -> str:
-    """``CREATE OR REPLACE VIEW`` for ``spec``: over the files if any exist, else an empty typed view."""
-    if not any(store.root.glob(spec.pattern)):
+def view_files(store: Store, spec: ViewSpec) -> list[Path]:
+    """The files of ``spec`` now, sorted; hidden names (writers' ``.tmp-*`` files) are not the store's."""
+    return sorted(
+        path for path in store.root.glob(spec.pattern)
+        if not any(part.startswith(".") for part in path.relative_to(store.root).parts)
+    )
+
+
+def view_sql(spec: ViewSpec, files: Sequence[Path]) -> str:
+    """``CREATE OR REPLACE VIEW`` for ``spec`` over ``files``, or an empty typed view when there is none."""
+    if not files:
         empty = ", ".join(f'CAST(NULL AS {typ}) AS "{name}"' for name, typ in spec.columns)
         return f"CREATE OR REPLACE VIEW {spec.name} AS SELECT {empty} WHERE false"
-    glob = _sql_string(str(store.root / spec.pattern))
+    paths = "[" + ", ".join(_sql_string(str(path)) for path in files) + "]"
     if spec.source == "json":
         columns = ", ".join(f'"{name}": {_sql_string(typ)}' for name, typ in (spec.json_columns or spec.columns))
         # the files carry every column; hive detection would type a run=<all digits> folder as BIGINT
-        reader = f"read_json({glob}, format = 'unstructured', hive_partitioning = false, columns = {{{columns}}})"
+        reader = f"read_json({paths}, format = 'unstructured', hive_partitioning = false, columns = {{{columns}}})"
     else:
-        reader = f"read_parquet({glob}, hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
+        reader = f"read_parquet({paths}, hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
     return f"CREATE OR REPLACE VIEW {spec.name} AS SELECT {spec.select} FROM {reader}"
 
 
-@contextmanager
-def connect(store: Store, read_only: bool, attempts: int = 50) -> Iterator[duckdb.DuckDBPyConnection]:
-    """Open the catalog, retrying while another process holds DuckDB's file lock."""
-    for attempt in range(attempts):
-        try:
-            connection = duckdb.connect(str(store.catalog_path), read_only=read_only)
-            break
-        except duckdb.IOException as exc:
-            if "lock" not in str(exc).lower() or attempt == attempts - 1:
-                raise RetexoError(f"cannot open the catalog {store.catalog_path}: {exc}") from exc
-            time.sleep(0.1)
+def unreadable_view_sql(spec: ViewSpec, problem: str) -> str:
+    """A view with ``spec``'s columns whose every read fails with ``problem`` (DuckDB's ``error()``)."""
+    columns = ", ".join(f'CAST(NULL AS {typ}) AS "{name}"' for name, typ in spec.columns)
+    fail = f"error({_sql_string(problem)})"
+    return f"CREATE OR REPLACE VIEW {spec.name} AS SELECT {columns} FROM range(1) WHERE {fail}"
+
+
+def _reason(exc: duckdb.Error) -> str:
+    """DuckDB's message on one line, without its error-type prefix and the SQL excerpt."""
+    text = str(exc).split("\n\nLINE ")[0]
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return re.sub(r"^[A-Za-z ]*Error: ", "", text)
+
+
+def _named_file(reason: str, root: Path) -> str | None:
+    """The store file an error's reason (``_reason``: not the SQL excerpt) names, if any."""
+    found = re.search(re.escape(str(root)) + r"/[^'\"\s]+", reason)
+    return found.group(0) if found else None
+
+
+def _unreadable(file: str, reason: str, view: str | None = None) -> str:
+    """The one line for a store file DuckDB cannot read (the path is not repeated in the reason)."""
+    reason = re.sub(r"\s*['\"]?" + re.escape(file) + r"['\"]?", "", reason).rstrip(" .")
+    where = f" (view {view})" if view else ""
+    return f"the store file {file} cannot be read{where}: {reason}; {REPAIR_HINT}"
+
+
+def _check_view(con: duckdb.DuckDBPyConnection, store: Store, spec: ViewSpec, files: list[Path]) -> str | None:
+    """Create ``spec``'s view over ``files``; ``None`` when every file is readable, else the problem.
+
+    Parquet footers and schemas are read by CREATE VIEW (``union_by_name``); JSON files are parsed
+    by counting their records. When DuckDB's message names no file, each file is tried alone.
+    """
     try:
-        yield connection
-    finally:
-        connection.close()
+        con.execute(view_sql(spec, files))
+        if spec.source == "json" and files:
+            con.execute(f"SELECT count(*) FROM {spec.name}").fetchall()
+        return None
+    except duckdb.InterruptException:
+        raise
+    except duckdb.Error as exc:
+        reason = _reason(exc)
+    file = _named_file(reason, store.root)
+    if file is None:
+        for path in files:
+            try:
+                con.execute(view_sql(spec, [path]))
+                con.execute(f"SELECT count(*) FROM {spec.name}").fetchall()
+            except duckdb.InterruptException:
+                raise
+            except duckdb.Error:
+                file = str(path)
+                break
+    return _unreadable(file or str(store.root / spec.pattern), reason, spec.name)
+
+
+def with_dependencies(names: Iterable[str]) -> set[str]:
+    """``names`` plus every view they read (``runs`` reads ``completed_runs`` and ``run_history``, ...)."""
+    found: set[str] = set()
+    pending = [name for name in names if name in VIEW_NAMES]
+    while pending:
+        name = pending.pop()
+        if name not in found:
+            found.add(name)
+            pending.extend(DERIVED_VIEWS.get(name, ((), ""))[0])
+    return found
+
+
+def create_views(con: duckdb.DuckDBPyConnection, store: Store, names: Iterable[str] = VIEW_NAMES) -> dict[str, str]:
+    """Create the views ``names`` and those they read; returns {view: problem} for unreadable ones.
+
+    An unreadable view keeps its columns and fails when read, naming the file; creating it never fails.
+    """
+    wanted = with_dependencies(names)
+    problems: dict[str, str] = {}
+    for spec in VIEWS:
+        if spec.name in wanted:
+            problem = _check_view(con, store, spec, view_files(store, spec))
+            if problem is not None:
+                con.execute(unreadable_view_sql(spec, problem))
+                problems[spec.name] = problem
+    for name, (_reads, sql) in DERIVED_VIEWS.items():
+        if name in wanted:
+            con.execute(sql)
+    return problems
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
+    """Let ``con`` read files under ``root`` and nothing else, then lock its configuration.
+
+    DuckDB checks every file path against ``allowed_directories`` (after folding ``..`` as text and
+    resolving symbolic links: see ``refuse_links_out``) and refuses other paths, and every URL (no
+    network), once external access is off; ``allowed_directories`` can only be set before that.
+    No temp directory (DuckDB would allow reading it too; queries cannot spill to disk), no Python
+    replacement scans (DataFrames of the caller by name), no extension install or load.
+    """
+    for setting in (
+        "SET temp_directory = ''",
+        "SET python_enable_replacements = false",
+        f"SET allowed_directories = [{_sql_string(str(root) + os.sep)}]",
+        "SET autoinstall_known_extensions = false",
+        "SET autoload_known_extensions = false",
+        "SET enable_external_access = false",
+        "SET lock_configuration = true",
+    ):
+        con.execute(setting)
+
+
+# --------------------------------------------------------------------------- the persistent catalog
 
 
 def refresh_catalog(store: Store) -> None:
-    """(Re)create every view."""
-    with writer_lock(store, store.catalog_path), connect(store, read_only=False) as con:
-        tables = con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name = 'run_history'").fetchall()
-        if tables:  # a store written before run history became files
-            con.execute("DROP TABLE run_history")
-        for spec in VIEWS:
-            con.execute(view_sql(store, spec))
-        con.execute(RUNS_VIEW)
-        con.execute(PREDICTION_VIEWS)
+    """Write every view into a new ``catalog.duckdb`` (a temp file renamed into place).
+
+    Never raises: a writer calls this after its data is committed, and the catalog is only a
+    convenience for the duckdb CLI (``retexo sql`` builds its views itself). Problems are logged.
+    """
+    temp = temp_sibling(store.catalog_path)
+    temp_wal = temp.with_name(temp.name + ".wal")
+    try:
+        with writer_lock(store, store.catalog_path):
+            con = duckdb.connect(str(temp))
+            try:
+                lock_down(con, store.root)
+                for view, problem in create_views(con, store).items():
+                    log.warning("catalog view %s is unreadable: %s", view, problem)
+                con.execute("CHECKPOINT")
+            finally:
+                con.close()
+            temp_wal.unlink(missing_ok=True)  # checkpointed: the file holds everything
+            fsync_file(temp)
+            # a WAL left by an earlier catalog file must not be replayed onto the new one
+            store.catalog_path.with_name(store.catalog_path.name + ".wal").unlink(missing_ok=True)
+            os.replace(temp, store.catalog_path)
+            fsync_file(store.root)
+    except (duckdb.Error, OSError, RetexoError) as exc:
+        log.warning("the catalog %s was not refreshed (%s); `retexo sql` does not need it", store.catalog_path,
+                    _reason(exc) if isinstance(exc, duckdb.Error) else exc)
+    finally:
+        temp.unlink(missing_ok=True)
+        temp_wal.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- read-only queries
 
 
 ALLOWED_STATEMENTS = {
@@ -236,6 +391,14 @@ class ReadOnlyViolation(RetexoError):
     """A statement given to ``retexo sql`` would change something."""
 
 
+class OutsideStore(RetexoError):
+    """A query tried to read something that is not in the store (a path, a URL, a link out)."""
+
+
+class QueryTimeout(RetexoError):
+    """A query ran past its time limit and was stopped."""
+
+
 def _refuse(kind: str, text: str) -> ReadOnlyViolation:
     return ReadOnlyViolation(
         f"refused: `retexo sql` is read-only, and this is a statement of type {kind} "
@@ -248,7 +411,7 @@ def _statements(sql: str) -> list[duckdb.Statement]:
     try:
         return con.extract_statements(sql)
     except duckdb.Error as exc:
-        raise RetexoError(f"SQL does not parse: {exc}") from exc
+        raise RetexoError(f"SQL does not parse: {_reason(exc)}") from exc
     finally:
         con.close()
 
@@ -273,15 +436,120 @@ def check_read_only(sql: str) -> None:
                 raise _refuse(kind, statement.query)
 
 
-def query(store: Store, sql: str) -> tuple[list[str], list[tuple[object, ...]]]:
-    """Run read-only SQL against the catalog (refreshed first); returns (column names, rows)."""
-    check_read_only(sql)
-    refresh_catalog(store)
-    with connect(store, read_only=True) as con:
+def refuse_links_out(store: Store) -> None:
+    """Refuse a store holding any symbolic link (the store's writers never make one).
+
+    DuckDB resolves a link before checking a path against the store root, but it folds ``..``
+    into the path first, as text: with ``a/up`` a link to the root itself (inside the store),
+    ``<root>/a/up/../secret`` passes the check as ``<root>/a/secret`` and the system opens
+    ``<root>/../secret``. A link to a folder outside would also let a glob list the names there.
+    """
+    pending = [store.root]
+    while pending:
+        folder = pending.pop()
         try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        raise OutsideStore(
+                            f"refused: `retexo sql` reads only the store {store.root}, and {entry.path} is a "
+                            f"symbolic link (to {os.readlink(entry.path)}), through which a query could read "
+                            f"outside it; remove the link (copy the data into the store instead)"
+                        )
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(Path(entry.path))
+        except OSError as exc:
+            raise OutsideStore(f"refused: cannot check {folder} for symbolic links: {exc.strerror}") from exc
+
+
+def referenced_views(con: duckdb.DuckDBPyConnection, sql: str) -> set[str]:
+    """The catalog views ``sql`` reads, with their dependencies; every view when none is named
+    (``SELECT 1``, ``information_schema.tables``, ``SHOW TABLES``: listings show every view).
+
+    DuckDB's ``get_table_names`` when it can tell (it cannot for ``JOIN … USING``), else every view
+    whose name occurs in the text as a word (at worst a view too many is created). ``con`` must be
+    locked down: ``get_table_names`` binds table functions, so it opens files and would install
+    extensions.
+    """
+    found: set[str] = set()
+    for statement in con.extract_statements(sql):
+        try:
+            found |= {name.lower() for name in con.get_table_names(statement.query)}
+        except duckdb.InterruptException:
+            raise
+        except duckdb.Error:
+            found |= {word.lower() for word in re.findall(r"\w+", statement.query)}
+    return with_dependencies(found) or set(VIEW_NAMES)
+
+
+def _explain(exc: duckdb.Error, store: Store, timed_out: bool, timeout: float) -> RetexoError:
+    """One line for a DuckDB error: a refused path, the time limit, an unreadable file, or the query's fault."""
+    message = str(exc)
+    if isinstance(exc, duckdb.InterruptException):
+        if timed_out:
+            return QueryTimeout(f"the query was stopped at its time limit of {timeout:g} s; "
+                                f"raise it with `retexo sql --timeout SECONDS`")
+        return QueryTimeout("the query was interrupted")
+    if isinstance(exc, duckdb.PermissionException):
+        path = re.search(r'Cannot access file "(.*)" - ', message)
+        what = repr(path.group(1)) if path else _reason(exc)
+        return OutsideStore(f"refused: `retexo sql` reads only the store {store.root}; {what} is outside it")
+    unreadable = re.search(r"the store file .* cannot be read .*", message)
+    if unreadable:  # an unreadable view was read
+        return StoreError(unreadable.group(0).splitlines()[0])
+    file = _named_file(_reason(exc), store.root)
+    if file is not None:  # damage found only while scanning (a page, not the footer)
+        return StoreError(_unreadable(file, _reason(exc)))
+    return RetexoError(f"query failed: {_reason(exc)}")
+
+
+def _missing_view(exc: duckdb.Error, created: set[str]) -> bool:
+    """True when ``exc`` says a catalog view that was not created does not exist (SQL built at run time)."""
+    found = re.search(r"Table with name (\w+) does not exist", str(exc))
+    return found is not None and found.group(1).lower() in VIEW_NAMES and found.group(1).lower() not in created
+
+
+def query(store: Store, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[str], list[tuple[object, ...]]]:
+    """Run read-only SQL over the store's views; returns (column names, rows).
+
+    A fresh in-memory connection, locked down to the store root (``lock_down``), with the views
+    the query reads; stopped after ``timeout`` seconds (building the views included).
+    """
+    check_read_only(sql)
+    if not timeout > 0:
+        raise RetexoError(f"--timeout must be a positive number of seconds, not {timeout:g}")
+    refuse_links_out(store)
+    every_view = False
+    while True:
+        con = duckdb.connect(":memory:")
+        expired, finished = threading.Event(), threading.Event()
+
+        def stop(con: duckdb.DuckDBPyConnection = con, expired: threading.Event = expired,
+                 finished: threading.Event = finished) -> None:
+            expired.set()
+            while True:  # again and again: an interrupt between two statements would be lost
+                con.interrupt()
+                if finished.wait(0.05):
+                    return
+
+        timer = threading.Timer(timeout, stop)
+        timer.daemon = True
+        timer.start()
+        names: set[str] = set()
+        try:
+            lock_down(con, store.root)
+            names = set(VIEW_NAMES) if every_view else referenced_views(con, sql)
+            create_views(con, store, names)
             result = con.execute(sql)
             columns = [d[0] for d in result.description or []]
-            rows = result.fetchall()
+            return columns, result.fetchall()
         except duckdb.Error as exc:
-            raise RetexoError(f"query failed: {exc}") from exc
-    return columns, rows
+            if not every_view and not expired.is_set() and _missing_view(exc, names):
+                every_view = True  # a view named only at run time (``query('FROM ' || ...)``)
+                continue
+            raise _explain(exc, store, expired.is_set(), timeout) from exc
+        finally:
+            finished.set()
+            timer.cancel()
+            timer.join()
+            con.close()
