@@ -1,11 +1,19 @@
 """The training commands of the ``retexo`` CLI: ``train``, ``worker`` (one node of several) and
 ``run`` (the Prefect pipeline). Their options come from the models that declare them:
 ``TrainConfig``, ``PartitionOptions`` (prefixed ``--partition-``, but ``--parts``) and
-``NetworkModel``; the training core and Prefect are imported only when a command runs."""
+``NetworkModel``; the training core and Prefect are imported only when a command runs.
+
+The training commands treat SIGTERM like Ctrl-C (``stop_on_sigterm``): a KeyboardInterrupt in
+the main thread, so the workers are stopped, the run is recorded ``interrupted`` and the command
+exits non-zero. They refuse, before building a partition or spawning anything, to run more worker
+processes on this machine than its ceiling (``runner.launch.worker_ceiling``)."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
+from types import FrameType
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -25,6 +33,32 @@ if TYPE_CHECKING:
 TRAIN = OptionGroup("train", TrainConfig)
 PARTITION = OptionGroup("partition", PartitionOptions, prefix="partition-", unprefixed=frozenset({"parts"}))
 NETWORK = OptionGroup("network", NetworkModel)
+
+
+log = logging.getLogger(__name__)
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises KeyboardInterrupt in the main thread (as Ctrl-C does).
+
+    ``retexo run`` keeps it for its whole process: while a Prefect flow runs in the main thread
+    Prefect puts its own SIGTERM handler in place (it raises ``TerminationSignal``, which the run
+    lifecycle records as ``interrupted`` as well, and stops the workers the same way) and puts
+    this one back afterwards."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGTERM: stopping")
+        raise KeyboardInterrupt("stopped by SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def check_local_workers(parts: int, strategy: str, nnodes: int = 1, node_rank: int = 0) -> None:
+    """The ceiling of worker processes per machine, checked before a partition is built."""
+    from runner.launch import check_worker_processes, node_ranks
+
+    world = 1 if strategy == "centralized" else parts
+    check_worker_processes(len(node_ranks(world, nnodes, node_rank)))
 
 
 def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -> None:
@@ -48,6 +82,19 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
     ])
 
 
+def show_comparison(runs: list[RunManifest]) -> None:
+    """One row per run: the first is the pipeline's run, the others its baselines."""
+    first = runs[0]
+    title = f"run {first.fp}: {first.label} {first.model} on {first.dataset_name} ({first.parts} parts, {first.method})"
+    if len(runs) > 1:
+        title += " vs " + ", ".join(r.label for r in runs[1:])
+    net = first.network
+    print_table(title, ["strategy", "run", "test acc", "val acc", "bytes", f"sim. comm s ({net['bandwidth_mbps']:g} Mbit/s)",
+                        "training s"],
+                [[r.label, r.fp, r.test_acc, r.val_acc, human_bytes(r.total_bytes), round(r.sim_comm_s, 1),
+                  round(r.wall_s, 1)] for r in runs])
+
+
 def train_cmd(
     dataset: Annotated[str, typer.Argument(help="Dataset name (newest version) or fingerprint.")],
     store: StoreOption = None,
@@ -57,10 +104,13 @@ def train_cmd(
     from runner.lifecycle import LaunchOptions, run_training, training_sources
     from runner.plan import plan_run
 
+    stop_on_sigterm()
     started = time.perf_counter()
     st = open_store(store)
     config = collect(TRAIN, options)
-    ref, partition = training_sources(st, dataset, collect(PARTITION, options), config.strategy, LaunchOptions(), 0)
+    partition_options = collect(PARTITION, options)
+    check_local_workers(partition_options.parts, config.strategy)  # type: ignore[attr-defined]
+    ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0)
     plan = plan_run(st, ref, partition, config, collect(NETWORK, options))
     summary, progress = run_training(plan)
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
@@ -82,10 +132,12 @@ def worker_cmd(
     from runner.lifecycle import LaunchOptions, run_training, training_sources
     from runner.plan import plan_run
 
+    stop_on_sigterm()
     started = time.perf_counter()
     st = open_store(store)
     params = load_params(config, set_)
     launch = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    check_local_workers(params.partition.parts, params.train.strategy, nnodes, node_rank)  # type: ignore[union-attr]
     dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]
                                           launch, params.train.timeout_s)
     plan = plan_run(st, dataset, partition, params.train, params.network)
@@ -109,23 +161,29 @@ def run_cmd(
     from flows.params import load_params
     from graphstore.manifests import RunManifest, read_manifest
 
-    started = time.perf_counter()
+    from flows.prefect_runtime import prepare_environment, run_flow_here
+
+    stop_on_sigterm()  # outside the flow; while it runs, Prefect's own handler (see stop_on_sigterm)
     params = load_params(config, set_)
+    check_local_workers(params.partition.parts, params.train.strategy)  # type: ignore[union-attr]
     if store is not None:
         params = params.model_copy(update={"store": str(store)})
+    prepare_environment()
     from flows.pipeline import pipeline_flow  # Prefect is imported only when a flow runs
 
-    state = pipeline_flow(params, return_state=True)
+    state = run_flow_here(pipeline_flow, params)
     result = state.result(raise_on_failure=False)
     if not isinstance(result, dict):  # a failure before the run finished: its exception
         raise result
     print_table("stages", ["stage", "status"], list(result["stages"].items()))
-    st = open_store(params.store)
-    show_run(read_manifest(st.run_dir(result["run"]), RunManifest), [], time.perf_counter() - started)
-    out.print(f"report: {result['report']}\nplot:   {result['plot']}")
     if "promotion" in result:
         decision = result["promotion"]
         out.print(f"promotion gate of {decision['pipeline']}: {decision['decision']} ({decision['reason']})")
+    st = open_store(params.store)
+    runs = [read_manifest(st.run_dir(fp), RunManifest) for fp in [result["run"], *result["compared"]]]
+    out.print(f"report: {result['report']}")
+    show_comparison(runs)
+    out.print(f"plot:   {result['plot']}")
     if state.is_failed():
         raise typer.Exit(1)
 

@@ -74,7 +74,7 @@ class TrainConfig(BaseModel):
                                      scope="per_layer")
     epochs: int = option(200, "Epochs (steps) of the end-to-end strategies (0 only with warm_start: evaluate "
                          "the warm-start model as it is).", scope="run", strategies=END_TO_END, ge=0)
-    seed: int = option(0, "Training seed.", scope="layer")
+    seed: int = option(0, "Training seed.", scope="layer", ge=0)
     sync: Literal["grad", "avg"] = option("grad", "retexo: grad (sum gradients every round) or avg (local steps, "
                                           "model averaging every sync_every rounds).", scope="layer",
                                           strategies=("retexo",))
@@ -108,8 +108,15 @@ class TrainConfig(BaseModel):
         None, "Start every layer from the parameters of this earlier completed run (fingerprint or unique prefix; "
         "same model, layers, hidden size, features and classes). With patience, fewer rounds are trained.",
         scope="layer", strategies=WARM_STARTABLE)
-    timeout_s: float = option(300.0, "Seconds any collective may wait before the run fails.", scope="none",
+    force: bool = option(False, "Start even when the memory estimate exceeds the memory available now.",
+                         scope="none")
+    timeout_s: float = option(300.0, "Seconds a rank may wait for its peers in one collective (or for the "
+                              "process group to form) before the run fails; long, so that a slow but working "
+                              "rank is waited for (a stopped one is caught by the hang timeout).", scope="none",
                               cli="timeout", gt=0)
+    hang_timeout_s: float = option(20.0, "Seconds a worker process may show no sign of life (no heartbeat and "
+                                   "no CPU time) before the launcher stops the run and names it as hung.",
+                                   scope="none", cli="hang-timeout", ge=2)
 
     @field_validator("lr")
     @classmethod

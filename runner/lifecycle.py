@@ -4,7 +4,15 @@ A finished layer is never retrained: it is skipped in the same run (``cached``),
 from another run with the same layer fingerprint (``reused``). The layers from the first one that
 is missing to the last are trained in ONE launch of the process group (``trained``), each committed
 as it finishes, so a run killed during layer 2 resumes at layer 2. End-to-end strategies produce
-all layers in one launch. Run events (started, completed, failed) go to the run's history.
+all layers in one launch. Run events (started, completed, failed, interrupted) go to the run's
+history.
+
+Concurrent runs of one store: node 0's launcher takes the writer locks of the layers it is about
+to train and then looks at them again; a layer that another run committed meanwhile is reported
+``cached`` and not trained again (nothing is launched when all are). While node 0 trains a run it
+holds the run (``graphstore.history.hold_run``); a run left ``started`` by a launcher that is gone
+is first marked ``interrupted`` ("abandoned"). Interrupts (Ctrl-C, SIGTERM through the CLI, a
+Prefect termination) are recorded as ``interrupted``, errors as ``failed``.
 
 Every entry point calls this module: ``retexo train``, ``retexo worker`` (one node of several),
 the Prefect train task and the benchmarks.
@@ -24,7 +32,8 @@ from pathlib import Path
 from graphstore.atomic import writer_lock
 from graphstore.catalog import refresh_catalog
 from graphstore.errors import RetexoError, StoreError
-from graphstore.history import record_run_event
+from graphstore.history import hold_run, mark_abandoned, record_run_event
+from graphstore.integrity import intact_manifest
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_layer, find_partition, layer_fp_of
 from graphstore.manifests import RunManifest, read_manifest
@@ -32,7 +41,8 @@ from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
 from runner.finalize import finalize_run
-from runner.launch import Launcher, WorkerFailed, default_threads, free_port, node_ranks, run_workers
+from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
+                           run_workers)
 from runner.plan import RunPlan, layer_state
 from runner.results import StageSpec
 from runner.worker import WorkerJob
@@ -101,13 +111,14 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
     """One launch of the process group that trains ``layers`` (consecutive) of the run.
 
     Node 0 holds the writer locks of the layer folders; every node runs its block of ranks.
-    ``on_layer`` hears of each layer as soon as it is committed. A port clash ("address already in
-    use") is retried on a fresh port when the port was chosen here.
+    Once it holds the locks, a single-node launch looks at the layers again: the leading layers
+    that another run committed while this one waited are reported ``cached`` and not trained (if
+    that is all of them, nothing is launched). ``on_layer`` hears of each layer as soon as it is
+    committed. A port clash ("address already in use") is retried on a fresh port when the port
+    was chosen here.
     """
     store, host = plan.store, launch.node_rank == 0
     ranks = node_ranks(plan.world, launch.nnodes, launch.node_rank)
-    if host:
-        invalidate_run(plan)
     refresh = refresh_partitions(plan) if host or plan.config.strategy == "grappa" else ()
     reported: set[int] = set()
     last = [time.perf_counter()]
@@ -126,11 +137,17 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
         port = launch.master_port or free_port(address)
         stages = tuple(StageSpec(layer=l, fp=plan.layer_fps[l], target=str(plan.layer_dir(l)),
                                  temp=str(plan.layer_dir(l).parent / f"{TMP_PREFIX}layer={l}-{port}"))
-                       for l in layers)
+                       for l in layers if l not in reported)
         with ExitStack() as locks, tempfile.TemporaryDirectory(prefix="retexo-errors-") as error_dir:
             if host:
                 for stage in stages:
                     locks.enter_context(writer_lock(store, Path(stage.target)))
+                if launch.nnodes == 1:
+                    stages = skip_committed(plan, stages, reported, on_layer)
+                    if not stages:
+                        return
+                invalidate_run(plan)
+                for stage in stages:
                     target = Path(stage.target)
                     if target.exists() and layer_fp_of(target) != stage.fp:
                         shutil.rmtree(target)  # a stale layer of an older code version, or incomplete
@@ -156,6 +173,22 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
                 if host:
                     for stage in stages:
                         shutil.rmtree(stage.temp, ignore_errors=True)
+
+
+def skip_committed(plan: RunPlan, stages: tuple[StageSpec, ...], reported: set[int],
+                   on_layer: OnLayer | None) -> tuple[StageSpec, ...]:
+    """The stages still to train, once this launcher holds their locks: leading layers that another
+    run committed meanwhile are reported ``cached`` (all layers of an end-to-end run, or none)."""
+    done = [layer_fp_of(Path(s.target)) == s.fp for s in stages]
+    skip = len(stages) if all(done) else 0
+    if plan.config.is_layerwise:
+        skip = next((i for i, d in enumerate(done) if not d), len(stages))
+    for stage in stages[:skip]:
+        log.info("layer %d was committed by another run meanwhile: not training it again", stage.layer)
+        reported.add(stage.layer)
+        if on_layer is not None:
+            on_layer(LayerProgress(stage.layer, "cached", 0.0))
+    return stages[skip:]
 
 
 def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
@@ -189,24 +222,36 @@ def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
 
 def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
                  on_layer: OnLayer | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
-    """Train (or reuse) every layer, then finalise the run (node 0; other nodes return None)."""
+    """Train (or reuse) every layer, then finalise the run (node 0; other nodes return None).
+
+    Node 0 holds the run while it trains it and records its events: ``started``; then
+    ``completed``, ``failed`` (an error) or ``interrupted`` (KeyboardInterrupt, SIGTERM through
+    the CLI, a Prefect termination: any BaseException that is not an Exception). A run whose last
+    event is ``started`` but which no process holds is marked ``interrupted`` first.
+    """
     host = launch.node_rank == 0
     run_dir = plan.store.run_dir(plan.run_fp)
-    if host and is_complete(run_dir) and all(layer_state(plan, l) == "done" for l in plan.layers):
+    if host and intact_manifest(run_dir, RunManifest) is not None and all(layer_state(plan, l) == "done"
+                                                                         for l in plan.layers):
         return read_manifest(run_dir, RunManifest), [LayerProgress(l, "cached", 0.0) for l in plan.layers]
-    if host:
+    if launch.launcher == "processes":
+        check_worker_processes(len(node_ranks(plan.world, launch.nnodes, launch.node_rank)))
+    if not host:
+        return None, ensure_layers(plan, launch, on_layer)
+    mark_abandoned(plan.store, plan.run_fp)  # left "started" by a launcher that is gone
+    with hold_run(plan.store, plan.run_fp):
         record_run_event(plan.store, plan.run_fp, "started", plan.config.strategy)
-    try:
-        progress = ensure_layers(plan, launch, on_layer)
-        if not host:
-            return None, progress
-        summary = finalize_run(plan)
-    except BaseException as exc:
-        if host:
-            event = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            record_run_event(plan.store, plan.run_fp, event, str(exc)[:500])
-        raise
-    record_run_event(plan.store, plan.run_fp, "completed", f"test_acc={summary.test_acc}")
+        try:
+            progress = ensure_layers(plan, launch, on_layer)
+            if all(p.state == "cached" for p in progress) and intact_manifest(run_dir, RunManifest) is not None:
+                summary = read_manifest(run_dir, RunManifest)  # another run finished it meanwhile
+            else:
+                summary = finalize_run(plan)
+        except BaseException as exc:
+            event = "failed" if isinstance(exc, Exception) else "interrupted"
+            record_run_event(plan.store, plan.run_fp, event, str(exc)[:500] or type(exc).__name__)
+            raise
+        record_run_event(plan.store, plan.run_fp, "completed", f"test_acc={summary.test_acc}")
     refresh_catalog(plan.store)
     return summary, progress
 

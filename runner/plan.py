@@ -99,7 +99,14 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
 
 
 def layer_state(plan: RunPlan, layer: int) -> LayerState:
-    """``done`` (in this run), ``reusable`` (finished in another run with the same fingerprint) or ``pending``."""
+    """``done`` (in this run), ``reusable`` (finished in another run with the same fingerprint) or ``pending``.
+
+    A layer whose manifest is unreadable or whose files changed since the commit is not ``done``
+    (``layer_fp_of``: a quick check of each file's size and mtime against the manifest, hashing
+    only files whose mtime differs), so it is trained again; the bytes themselves are hashed in
+    full when they are read (the next layer's workers) and by ``retexo store verify``. A reuse
+    candidate is hashed in full (``find_layer``): linking puts its bytes into a new artefact.
+    """
     if layer_fp_of(plan.layer_dir(layer)) == plan.layer_fps[layer]:
         return "done"
     if plan.config.is_layerwise and find_layer(plan.store, layer, plan.layer_fps[layer]) is not None:

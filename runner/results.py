@@ -4,7 +4,14 @@ Every stage (layer) of a launch is written into a temporary sibling of its final
 rank writes and fsyncs ``part=<rank>/{embeddings,comm}.parquet`` (and, in the last layer,
 ``predictions.parquet``); rank 0 then writes
 ``model.pt``, ``metrics.parquet`` and ``evaluation.parquet`` and commits the folder with its
-manifest (rename). The launcher on node 0 holds the layer folders' writer locks meanwhile.
+manifest (rename), which records the sha256 of every file (``graphstore.atomic.commit_directory``):
+each rank hashes the files it wrote (``graphstore.integrity.record_digests``), so rank 0 never
+reads another rank's part; rank 0 hashes its own files.
+The launcher on node 0 holds the layer folders' writer locks meanwhile.
+
+What a rank reads of earlier layers (its own part's embeddings, a warm start's ``model.pt``) is
+hashed against the checksums of the layer manifest listing it first: a file changed after it was
+written is a ``StoreError`` naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from graphstore.atomic import commit_directory, fsync_file, fsync_tree
+from graphstore.integrity import record_digests, verify_files
 from graphstore.layout import Store
 from graphstore.manifests import LayerManifest
 from graphstore.parquet_io import COMPRESSION
@@ -54,7 +62,11 @@ class RunFolder:
         return next(s for s in self.stages if s.layer == layer)
 
     def previous_outputs(self, layer: int, part: int, node_id: np.ndarray) -> dict[str, np.ndarray]:
-        path = Store(Path(self.store_root)).embeddings_path(self.run_fp, layer, part)
+        """View -> (n, d) rows of layer ``layer`` for this rank's ``node_id`` (n,), read from the
+        layer's ``part=<part>/embeddings.parquet`` after hashing it against the layer manifest."""
+        store = Store(Path(self.store_root))
+        path = store.embeddings_path(self.run_fp, layer, part)
+        verify_files(store.layer_dir(self.run_fp, layer), [f"part={part}/embeddings.parquet"], LayerManifest)
         stored_ids, views = read_embeddings(path)
         if not np.array_equal(stored_ids, node_id):
             raise RuntimeError(f"rank {part}: embeddings at {path} do not match the partition's nodes")
@@ -67,6 +79,7 @@ class RunFolder:
                          {v: rows for v, rows in outputs.items() if v != "full"})
         pq.write_table(comm, folder / "comm.parquet", compression=COMPRESSION)
         fsync_tree(folder)
+        record_digests(folder.parent, [f"part={part}/embeddings.parquet", f"part={part}/comm.parquet"], f"rank-{part}")
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
         import torch
@@ -74,7 +87,12 @@ class RunFolder:
         warm = self.config.warm_start
         if warm is None:
             return None
-        return torch.load(Store(Path(self.store_root)).layer_dir(warm, layer) / "model.pt", weights_only=True)
+        folder = Store(Path(self.store_root)).layer_dir(warm, layer)
+        verify_files(folder, ["model.pt"], LayerManifest)
+        return torch.load(folder / "model.pt", weights_only=True)
+
+    def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
+        """``ResultSink.progress`` (display only): nothing is shown from here yet."""
 
     def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,
                           split: np.ndarray) -> None:
@@ -83,6 +101,7 @@ class RunFolder:
                           "score": pa.array(score, pa.float32()), "split": pa.array(split, pa.string())})
         pq.write_table(table, path, compression=COMPRESSION)
         fsync_file(path)
+        record_digests(path.parent.parent, [f"part={part}/{PREDICTIONS}"], f"rank-{part}-predictions")
 
     def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:
@@ -101,6 +120,9 @@ class RunFolder:
         for path in written:
             fsync_file(path)
         cfg = self.config
+        from runner.worker import ensure_launcher_alive  # no commit once the lock-holding launcher is gone
+
+        ensure_launcher_alive()
         commit_directory(temp, Path(stage.target), LayerManifest(
             fp=stage.fp, run=self.run_fp, layer=summary.layer, parts=self.world, strategy=cfg.strategy,
             model=cfg.model, last=summary.layer == cfg.layers,

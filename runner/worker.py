@@ -4,14 +4,32 @@ this rank's partition, and let ``retexo_core.stages`` train the launch's layers.
 
 A worker reads only ``part=<rank>`` of the partition (plus the partition manifest) and its own rows
 of earlier layers; everything else arrives through the communicator and is counted.
+
+A spawned worker never outlives its launcher (``LauncherWatch``): a daemon thread waits on the
+launcher's ``multiprocessing`` sentinel (it closes when the launcher process dies, whichever of
+its threads started the worker) and ends the worker at once with ``os._exit``, committing
+nothing; rank 0 first records the run ``interrupted`` and removes the launch's temp folders. A
+layer is also never committed once the launcher is gone (``ensure_launcher_alive``, called by
+``RunFolder.commit_layer`` just before the commit).
+
+For the launcher's hang watch (``runner.launch``) every worker leaves files in the launch's
+``error_dir``: ``rank-<r>.started`` (its pid), ``.joining`` (it reached the rendezvous),
+``.joined`` (the process group formed) and ``.alive``, touched every ``HEARTBEAT_S`` seconds by a
+daemon thread. A rendezvous that times out raises ``RendezvousTimeout``, so the launcher can tell
+the ranks that waited from the rank that never came.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing as mp
 import os
+import shutil
+import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,8 +37,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, NoReturn
 
+from graphstore.history import mark_abandoned
 from graphstore.layout import Store
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
@@ -56,8 +75,128 @@ class WorkerJob:
         return timedelta(seconds=self.config.timeout_s)
 
 
+HEARTBEAT_S = 1.0  # seconds between two touches of a worker's ``.alive`` file
+ORPHANED_EXIT = 3  # exit code of a worker that stopped because its launcher died
+Marker = Literal["started", "joining", "joined", "alive"]
+
+
+class RendezvousTimeout(RuntimeError):
+    """The process group did not form in time: some rank never reached the rendezvous."""
+
+
 def error_file(job: WorkerJob, rank: int) -> Path:
     return Path(job.error_dir) / f"rank-{rank}.txt"
+
+
+def marker(job: WorkerJob, rank: int, kind: Marker) -> Path:
+    """The file a worker leaves in ``error_dir`` when it has started, reached the rendezvous,
+    joined the process group; ``alive`` is its heartbeat (see the module docstring)."""
+    return Path(job.error_dir) / f"rank-{rank}.{kind}"
+
+
+def ensure_launcher_alive() -> None:
+    """In a spawned worker: stop here (``os._exit``, nothing committed) if the launcher is gone.
+    A no-op anywhere else (ranks run as threads, other processes)."""
+    if _WATCH is not None:
+        _WATCH.check()
+
+
+class LauncherWatch:
+    """Ends a spawned worker as soon as its launcher process is gone (see the module docstring).
+
+    Every worker waits on the launcher's sentinel in a daemon thread. Rank 0 (node 0's lowest
+    rank, whose launcher records the run's events) then marks the run ``interrupted`` unless
+    another process holds it, and removes the launch's temp folders. The other ranks also ask
+    the kernel for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG``, Linux): unlike the
+    thread, that also ends a worker that is stopped or stuck without the GIL. It fires when the
+    launcher *thread* that spawned the worker exits, which is safe here because ``run_workers``
+    starts and waits for its workers in one thread; rank 0 does without it, since a SIGKILL
+    would stop it before it records the event.
+    """
+
+    def __init__(self, job: WorkerJob, rank: int):
+        self.job = job
+        self.rank = rank
+        self.parent = mp.parent_process()
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        if self.parent is None:
+            return
+        if self.rank != 0:
+            die_with_parent_thread()
+        threading.Thread(target=self._wait, name="retexo-launcher-watch", daemon=True).start()
+
+    def _wait(self) -> None:
+        self.parent.join()  # type: ignore[union-attr]  # returns when the launcher's end of the pipe closes
+        self.launcher_gone()
+
+    def check(self) -> None:
+        if self.parent is not None and not self.parent.is_alive():
+            self.launcher_gone()
+
+    def launcher_gone(self) -> NoReturn:
+        with self.lock:  # the watch thread and the main thread may both get here; one exits
+            try:
+                if self.rank == 0:
+                    mark_abandoned(Store(Path(self.job.store_root)), self.job.run_fp,
+                                   f"the launcher (pid {self.parent.pid}) died; workers stopped",  # type: ignore[union-attr]
+                                   wait_s=2.0)  # its lock is released while it exits
+                    for stage in self.job.stages:
+                        shutil.rmtree(stage.temp, ignore_errors=True)
+                logging.getLogger("retexo.worker").error("rank %d: the launcher died; stopping", self.rank)
+            finally:
+                os._exit(ORPHANED_EXIT)
+
+
+_WATCH: LauncherWatch | None = None  # set in spawned workers only
+
+
+def die_with_parent_thread() -> None:
+    """Ask the kernel to SIGKILL this process when the thread that spawned it exits (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the watch thread alone then
+
+
+def start_heartbeat(job: WorkerJob, rank: int) -> None:
+    """Touch ``rank-<rank>.alive`` every ``HEARTBEAT_S`` seconds from a daemon thread."""
+    path = marker(job, rank, "alive")
+
+    def beat() -> None:
+        while True:
+            try:
+                path.touch()
+            except OSError:
+                pass  # the launch is being torn down
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="retexo-heartbeat", daemon=True).start()
+
+
+def join_process_group(job: WorkerJob, rank: int):  # -> torch.distributed.TCPStore
+    """Connect to the rendezvous and form the gloo process group; ``RendezvousTimeout`` when the
+    other ranks did not all arrive within the configured timeout."""
+    import torch.distributed as dist
+
+    marker(job, rank, "joining").touch()
+    hosts = rank == 0 and not job.launcher_hosts_rendezvous
+    try:
+        rendezvous = dist.TCPStore(job.master_addr, job.master_port, is_master=hosts, timeout=job.timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore("gen0", rendezvous), rank=rank,
+                                world_size=job.world, timeout=job.timeout)
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, dist.DistStoreError) or "timed out" in text.lower() or "timeout" in text.lower():
+            raise RendezvousTimeout(f"rank {rank}: the process group did not form within "
+                                    f"{job.config.timeout_s:g} s ({text})") from exc
+        raise
+    marker(job, rank, "joined").touch()
+    return rendezvous
 
 
 def log_path(store_root: str, run_fp: str, rank: int) -> Path:
@@ -137,7 +276,14 @@ def install_open_audit(job: WorkerJob) -> list[str]:
 
 
 def process_main(job: WorkerJob, rank: int) -> None:
-    """Entry point of a spawned worker process (torchrun-style env: RANK, WORLD_SIZE, MASTER_*)."""
+    """Entry point of a spawned worker process (torchrun-style env: RANK, WORLD_SIZE, MASTER_*).
+    The launcher watch and the heartbeat start before torch is imported (seconds)."""
+    global _WATCH
+    _WATCH = LauncherWatch(job, rank)
+    _WATCH.start()
+    start_heartbeat(job, rank)
+    marker(job, rank, "started").write_text(f"{os.getpid()}\n")
+
     import torch
     import torch.distributed as dist
 
@@ -153,11 +299,10 @@ def process_main(job: WorkerJob, rank: int) -> None:
         try:
             rendezvous, transport = None, None
             if job.world > 1:
-                hosts = rank == 0 and not job.launcher_hosts_rendezvous
-                rendezvous = dist.TCPStore(job.master_addr, job.master_port, is_master=hosts, timeout=job.timeout)
-                dist.init_process_group("gloo", store=dist.PrefixStore("gen0", rendezvous), rank=rank,
-                                        world_size=job.world, timeout=job.timeout)
+                rendezvous = join_process_group(job, rank)
                 transport = GlooTransport()
+            else:
+                marker(job, rank, "joined").touch()
             run_rank(job, rank, transport, rendezvous)
         except BaseException:
             error_file(job, rank).write_text(traceback.format_exc())
