@@ -8,12 +8,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from graphstore.errors import ConfigError
+from graphstore.errors import ConfigError, describe_validation_error
 from graphstore.ingest.spec import DatasetSpec
 from graphstore.partition.methods import PartitionOptions
 from graphstore.promotion import PromotionOptions
 from retexo_core.comm.network import NetworkModel
-from retexo_core.config import TrainConfig
+from retexo_core.config import Strategy, TrainConfig
 
 
 StoreField = Field(None, description="Store root (default: $RETEXO_STORE or ./retexo-store)")
@@ -68,6 +68,9 @@ class PipelineParams(TrainingParams):
     preset: str | None = None
     dataset: DatasetSpec | None = Field(None, description="Required, here or in the preset")
     promotion: PromotionOptions = Field(default_factory=PromotionOptions)
+    compare: list[Strategy] = Field(
+        default_factory=list, description="Baseline strategies trained after the run with the same partition, "
+        "model, sizes and seed (each with its own defaults for the rest), for the accuracy-vs-bytes comparison")
 
     @model_validator(mode="before")
     @classmethod
@@ -81,10 +84,19 @@ class PipelineParams(TrainingParams):
     def _has_dataset(self) -> "PipelineParams":
         if self.dataset is None:
             raise ValueError("dataset is required (give it here or in the preset)")
+        if self.train.strategy in self.compare:
+            raise ValueError(f"compare lists {self.train.strategy}, the strategy of the run itself")
         return self
 
     def run_params(self, dataset: str) -> RunParams:
         return RunParams(dataset=dataset, **self.model_dump(include=set(TrainingParams.model_fields)))
+
+
+def baseline_params(run: RunParams, strategy: Strategy) -> RunParams:
+    """``run`` trained with ``strategy`` instead: the same dataset, partition, network and shared
+    options (model, layers, hidden, learning rate, dropout, seed, ...), no warm start."""
+    train = TrainConfig.model_validate({**run.train.model_dump(), "strategy": strategy, "warm_start": None})
+    return run.model_copy(update={"train": train})
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -117,14 +129,6 @@ def _resolve_paths(tree: dict[str, Any], base: Path) -> None:
                 dataset[key] = str((base / value).resolve())
 
 
-def describe_validation_error(exc: ValidationError, origin: str) -> str:
-    lines = [f"{origin}: invalid configuration"]
-    for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        lines.append(f"  {key}: {error['msg']}")
-    return "\n".join(lines)
-
-
 def read_tree(path: Path) -> dict[str, Any]:
     """A preset as a plain mapping, dataset paths resolved against the preset's folder."""
     if not path.is_file():
@@ -150,4 +154,4 @@ def load_params(path: Path, overrides: list[str] | None = None) -> PipelineParam
     try:
         return PipelineParams.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, str(path))) from None
+        raise ConfigError(describe_validation_error(exc, f"{path}: invalid configuration")) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 
 class RetexoError(Exception):
     """Base class for errors the CLI reports without a traceback (exit code 2)."""
@@ -28,3 +30,15 @@ class StoreError(RetexoError):
 
 class ConfigError(RetexoError):
     """A configuration value is invalid; the message names the key."""
+
+
+def describe_validation_error(exc: ValidationError, origin: str) -> str:
+    """One line: ``<origin>: <key> = <value>: <what was expected>; ...`` for every error."""
+    problems = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        value = error.get("input")
+        shown = f" = {value!r}" if key and not isinstance(value, dict) else ""
+        problems.append(f"{key}{shown}: {message}" if key else message)
+    return f"{origin}: " + "; ".join(problems)

@@ -14,9 +14,14 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+# Names that become folder names (datasets, pipelines): ASCII letters, digits, ``_ . -``, starting
+# with a letter or digit, at most 100 characters (a path component may hold 255 bytes).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+NAME_RULE = "1 to 100 characters: letters, digits, - _ . (starting with a letter or digit)"
 DEFAULT_STORE = "retexo-store"
 STORE_ENV = "RETEXO_STORE"
 MANIFEST = "manifest.json"
@@ -69,6 +74,11 @@ class Store:
 
     def embeddings_path(self, run_fp: str, layer: int, part: int) -> Path:
         return self.layer_dir(run_fp, layer) / f"part={part}" / "embeddings.parquet"
+
+
+def is_valid_name(name: str) -> bool:
+    """True when ``name`` may become a folder name of the store (``NAME_PATTERN``)."""
+    return re.fullmatch(NAME_PATTERN, name) is not None
 
 
 def is_complete(directory: Path) -> bool:

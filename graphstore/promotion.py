@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from graphstore.errors import StoreError
 from graphstore.history import append_record
-from graphstore.layout import TMP_PREFIX, Store
+from graphstore.layout import NAME_PATTERN, TMP_PREFIX, Store
 from graphstore.lookup import completed_run
 from graphstore.manifests import utc_now
 
@@ -24,7 +24,7 @@ Decision = Literal["promoted", "refused", "kept"]
 class PromotionOptions(BaseModel):
     """The gate of a scheduled pipeline (off unless ``pipeline`` is given)."""
 
-    pipeline: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+    pipeline: str | None = Field(None, pattern=NAME_PATTERN,
                                  description="Name the promoted model is kept under (letters, digits, - _ .); "
                                  "none = no gate.")
     tolerance: float = Field(0.005, ge=0, le=1, description="A new run is promoted when its validation accuracy "

@@ -20,10 +20,11 @@ from graphstore.ingest import ogb_source, planetoid, synthetic
 from graphstore.ingest.features import RequestedFormat, as_stored
 from graphstore.ingest.graph import SourceGraph
 from graphstore.ingest.splits import SplitFractions, stratified_split
-from graphstore.ingest.tables import TableOptions, load_tables
+from graphstore.ingest.tables import TableOptions, estimated_feature_bytes, estimated_rows, load_tables
 from graphstore.ingest.validate import validate_graph
 from graphstore.ingest.writer import dataset_fingerprint, write_dataset_files, write_graph
-from graphstore.layout import Store
+from graphstore.limits import check_memory, tables_estimate
+from graphstore.layout import NAME_RULE, Store, is_valid_name
 from graphstore.lookup import DatasetRef, existing_dataset
 from graphstore.progress import Progress, no_progress
 
@@ -56,9 +57,10 @@ def _ingest(
 
 
 def check_name(name: str) -> str:
-    """Dataset names become folder names: letters, digits, ``-``, ``_`` and ``.`` only."""
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
-        raise InputError("--name", f"'{name}' is not a valid dataset name (letters, digits, - _ . only)")
+    """Dataset names become folder names (``graphstore.layout.NAME_PATTERN``)."""
+    if not is_valid_name(name):
+        shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
+        raise InputError("--name", f"'{shown}' is not a valid dataset name ({NAME_RULE})")
     return name
 
 
@@ -91,7 +93,10 @@ def ingest_tables(
     features: Path | None,
     options: TableOptions,
     fractions: SplitFractions,
+    force: bool = False,
 ) -> DatasetRef:
+    """Edge, node and optional feature tables; refused before loading when the estimated memory
+    (``graphstore.limits``) exceeds what is available, unless ``force``."""
     content = {}
     for role, path in (("edges", edges), ("nodes", nodes), ("features", features)):
         if path is not None:
@@ -99,8 +104,13 @@ def ingest_tables(
                 raise InputError(str(path), f"{role} file does not exist")
             content[role] = file_digest(path)
     opts = {**options.model_dump(), "split": fractions.model_dump()}
-    return _ingest(store, check_name(name), "tables", opts, content,
-                   lambda: load_tables(edges, nodes, features, options), fractions, options.feature_format)
+
+    def load() -> SourceGraph:
+        check_memory(tables_estimate(estimated_rows(edges), estimated_rows(nodes),
+                                     estimated_feature_bytes(features) if features else 0, options.undirected), force)
+        return load_tables(edges, nodes, features, options)
+
+    return _ingest(store, check_name(name), "tables", opts, content, load, fractions, options.feature_format)
 
 
 def ingest_synthetic(
@@ -109,10 +119,12 @@ def ingest_synthetic(
     options: synthetic.SyntheticOptions,
     fractions: SplitFractions,
     progress: Progress = no_progress,
+    force: bool = False,
 ) -> DatasetRef:
     """Generate the SBM and stream it into the store (no in-memory SourceGraph for big graphs).
 
-    The features are Gaussian (density 1) and always stored dense.
+    The features are Gaussian (density 1) and always stored dense. Refused before anything is
+    allocated when the estimated memory exceeds what is available, unless ``force``.
     """
     opts = {**options.model_dump(), "split": fractions.model_dump()}
     fp = dataset_fingerprint(check_name(name), "synthetic", opts, {"generator": synthetic.GENERATOR_VERSION})
@@ -120,6 +132,7 @@ def ingest_synthetic(
     if found is not None:
         log.info("dataset %s (fp %s) is already in the store: nothing to do", name, fp)
         return found
+    check_memory(synthetic.memory_estimate(options), force)
     rng = np.random.default_rng(options.seed)
     label = synthetic.sample_labels(options, rng)
     keys = synthetic.sample_undirected_pairs(options, label, rng, progress)

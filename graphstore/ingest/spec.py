@@ -37,6 +37,7 @@ class DatasetSpec(BaseModel):
     feature_format: RequestedFormat = "auto"  # planetoid / ogb (tables: tables.feature_format)
     synthetic: SyntheticOptions | None = None
     split: SplitFractions = Field(default_factory=SplitFractions)
+    force: bool = False  # tables / synthetic: ingest even when the memory estimate exceeds the available memory
 
     @model_validator(mode="after")
     def _complete(self) -> "DatasetSpec":
@@ -65,5 +66,5 @@ def ingest_source(store: Store, spec: DatasetSpec) -> DatasetRef:
         else:
             edges, nodes = Path(spec.edges), Path(spec.nodes)  # type: ignore[arg-type]
             features = Path(spec.features) if spec.features else None
-        return ingest_tables(store, spec.name, edges, nodes, features, spec.tables, spec.split)
-    return ingest_synthetic(store, spec.name, spec.synthetic, spec.split)  # type: ignore[arg-type]
+        return ingest_tables(store, spec.name, edges, nodes, features, spec.tables, spec.split, spec.force)
+    return ingest_synthetic(store, spec.name, spec.synthetic, spec.split, force=spec.force)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ class SplitFractions(BaseModel):
 
     train: float = Field(0.6, gt=0, lt=1)
     val: float = Field(0.2, ge=0, lt=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _fits(self) -> "SplitFractions":

@@ -18,6 +18,7 @@ import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from graphstore.ingest.splits import SplitFractions, stratified_split
+from graphstore.limits import Estimate, synthetic_estimate
 from graphstore.parquet_io import features_table
 from graphstore.progress import Progress, no_progress
 
@@ -39,7 +40,12 @@ class SyntheticOptions(BaseModel):
     feature_noise: float = Field(1.0, gt=0, description="Standard deviation of the Gaussian noise on every feature.")
     class_overlap: float = Field(CLASS_OVERLAP, ge=0, le=1, description="Probability that a node's features are "
                                  "drawn around another class's centroid.")
-    seed: int = Field(0, description="Generator seed (also the seed of the stratified split).")
+    seed: int = Field(0, ge=0, description="Generator seed (also the seed of the stratified split).")
+
+
+def memory_estimate(options: SyntheticOptions) -> Estimate:
+    """The generator's peak memory (see the module docstring)."""
+    return synthetic_estimate(options.nodes, options.avg_degree, options.features, NODE_CHUNK)
 
 
 def sample_labels(options: SyntheticOptions, rng: np.random.Generator) -> np.ndarray:

@@ -66,6 +66,38 @@ def find_table_files(folder: Path) -> tuple[Path, Path, Path | None]:
     return found["edges"], found["nodes"], found["features"]  # type: ignore[return-value]
 
 
+def estimated_rows(path: Path) -> int:
+    """Rows of a table file without reading it: Parquet's footer, or a CSV's size divided by the
+    mean line length of its first MB. 0 for a file that is missing (loading reports it)."""
+    if not path.is_file():
+        return 0
+    if path.name.lower().endswith((".parquet", ".pq")):
+        try:
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        except (pa.ArrowInvalid, OSError):
+            return 0
+    with open(path, "rb") as handle:
+        sample = handle.read(2**20)
+    lines = max(sample.count(b"\n"), 1)
+    return int(path.stat().st_size * lines / max(len(sample), 1))
+
+
+def estimated_feature_bytes(path: Path) -> int:
+    """Memory the features file takes once decoded: Parquet's uncompressed size, a CSV's numbers
+    (about 8 bytes each once parsed, twice: Arrow and float32), or a JSON file's Python objects
+    (about 12 bytes per byte of text)."""
+    if not path.is_file():
+        return 0
+    name = path.name.lower()
+    if name.endswith((".parquet", ".pq")):
+        try:
+            meta = pq.ParquetFile(path).metadata
+            return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) * 2
+        except (pa.ArrowInvalid, OSError):
+            return 0
+    return path.stat().st_size * (12 if name.endswith(".json") else 4)
+
+
 def read_any_table(path: Path) -> pa.Table:
     """Read a CSV or Parquet file; wrong type, unreadable or empty files raise ``InputError``."""
     if not path.is_file():
@@ -94,6 +126,10 @@ def require_column(table: pa.Table, column: str, path: Path) -> pa.ChunkedArray:
     return table.column(column)
 
 
+INT64_MAX = np.iinfo(np.int64).max
+INT64_RANGE = "-2^63 .. 2^63-1"
+
+
 def integer_column(table: pa.Table, column: str, path: Path, null_value: int | None = None) -> np.ndarray:
     """A column as int64; nulls are an error unless ``null_value`` replaces them."""
     values = require_column(table, column, path)
@@ -108,13 +144,22 @@ def integer_column(table: pa.Table, column: str, path: Path, null_value: int | N
     if values.null_count:
         values = pc.fill_null(values, null_value)
     if pa.types.is_integer(values.type):
-        return values.to_numpy().astype(np.int64)
+        numbers = values.to_numpy()
+        if numbers.dtype == np.uint64 and (numbers > INT64_MAX).any():  # CSV ids in 2^63 .. 2^64-1
+            row = first_true(numbers > INT64_MAX)
+            raise InputError(str(path), f"{numbers[row]} is outside the int64 range ({INT64_RANGE})", column, row + 1)
+        return numbers.astype(np.int64)
     floats = values.to_numpy()
     bad = ~np.isfinite(floats) | (floats != np.round(floats))
-    if not bad.any():
-        return floats.astype(np.int64)
-    row = first_true(bad)
-    raise InputError(str(path), f"expected an integer, found {floats[row]}", column, row + 1)
+    if bad.any():
+        row = first_true(bad)
+        raise InputError(str(path), f"expected an integer, found {floats[row]}", column, row + 1)
+    # a CSV column of integers beyond 2^64 is read as float; so is one that needs more than 53 bits
+    outside = np.abs(floats) >= 2.0 ** 63
+    if outside.any():
+        row = first_true(outside)
+        raise InputError(str(path), f"{floats[row]:.0f} is outside the int64 range ({INT64_RANGE})", column, row + 1)
+    return floats.astype(np.int64)
 
 
 def first_unparsable(values: pa.ChunkedArray, parse: type) -> int:
@@ -228,6 +273,8 @@ def _sparse_json_features(path: Path) -> tuple[np.ndarray, "scipy.sparse.csr_mat
             ids.append(int(key))
         except ValueError:
             raise InputError(str(path), f"key '{key}' is not an integer node id", "node_id", row) from None
+        if not -INT64_MAX - 1 <= ids[-1] <= INT64_MAX:
+            raise InputError(str(path), f"{key} is outside the int64 range ({INT64_RANGE})", "node_id", row)
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
             raise InputError(str(path), f"expected a list of non-negative integer feature ids, found {value!r}", "x", row)
         if value and max(value) > largest_id:

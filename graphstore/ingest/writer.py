@@ -3,6 +3,10 @@
 ``features.parquet`` is written in the layout of the feature matrix it is given (dense ``x`` or
 sparse ``x_idx``/``x_val``, ``graphstore.parquet_io``), recorded with the width in the manifest's
 ``feature_format`` and ``num_features``.
+
+The folder is committed by ``graphstore.atomic.atomic_artefact``: the manifest records the sha256
+of the three files, and a stored version that is corrupt (unreadable manifest, changed files) is
+replaced by ingesting the same data again.
 """
 
 from __future__ import annotations

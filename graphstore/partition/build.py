@@ -9,6 +9,10 @@ Output, written atomically under ``partitions/dataset=<fp>/fp=<pfp>/``:
 - ``part=i/edges.parquet``: every edge whose ``dst`` partition i owns (``src`` own or halo);
 - ``part=i/halo.parquet``: ``node_id, owner`` of the remote sources of those edges;
 - ``stats.parquet``: one row per part (owned nodes, local/cut edges, halo, split counts, balance).
+
+The dataset files (and an anchor's ``assignment.parquet``) are hashed against their manifests'
+checksums before they are read (``graphstore.integrity.verify_files``): a partition is never
+built from a corrupt dataset, and the error names the file.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from graphstore.atomic import atomic_artefact
-from graphstore.errors import StoreError
+from graphstore.errors import InputError, StoreError
+from graphstore.integrity import verify_files
 from graphstore.layout import Store
+from graphstore.limits import check_memory, partition_estimate
 from graphstore.lookup import (
     PARTITION_FORMAT,
     DatasetRef,
@@ -34,8 +40,8 @@ from graphstore.lookup import (
     resolve_stable_from,
     stored_partition,
 )
-from graphstore.manifests import PartitionManifest
-from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, take_feature_rows
+from graphstore.manifests import DatasetManifest, PartitionManifest
+from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, parquet_errors, read_table, take_feature_rows
 from graphstore.partition.methods import (
     PartitionOptions,
     column_parts,
@@ -69,10 +75,13 @@ def to_positions(node_id: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.searchsorted(node_id, ids)
 
 
+DATASET_FILES = ("nodes.parquet", "edges.parquet", "features.parquet")
+
+
 def load_graph_arrays(dataset: DatasetRef) -> GraphArrays:
-    nodes = pq.read_table(dataset.path / "nodes.parquet", columns=["node_id", "label", "split"])
+    nodes = read_table(dataset.path / "nodes.parquet", columns=["node_id", "label", "split"])
     node_id = nodes.column("node_id").to_numpy()
-    edges = pq.read_table(dataset.path / "edges.parquet")
+    edges = read_table(dataset.path / "edges.parquet")
     return GraphArrays(
         node_id=node_id,
         label=nodes.column("label").to_numpy(),
@@ -91,7 +100,7 @@ def assign(graph: GraphArrays, options: PartitionOptions, dataset: DatasetRef) -
     if options.method == "random":
         return random_parts(n, options.parts, options.seed)
     if options.method == "column":
-        nodes = pq.read_table(dataset.path / "nodes.parquet")
+        nodes = read_table(dataset.path / "nodes.parquet")
         if options.column not in nodes.column_names:
             raise StoreError(
                 f"dataset {dataset.name} has no node column '{options.column}' "
@@ -113,7 +122,10 @@ def assign_stable(graph: GraphArrays, options: PartitionOptions, dataset: Datase
     n = len(graph.node_id)
     if options.parts > n:
         raise StoreError(f"cannot split {n} nodes into {options.parts} parts")
-    carried, removed = carry_over(graph.node_id, *load_anchor(anchor.path))
+    verify_files(anchor.path, ["assignment.parquet"], PartitionManifest)
+    with parquet_errors(anchor.path / "assignment.parquet"):
+        anchored = load_anchor(anchor.path)
+    carried, removed = carry_over(graph.node_id, *anchored)
     if options.method == "column":
         part = assign(graph, options, dataset)
     elif options.method == "random":
@@ -132,20 +144,30 @@ def anchor_fields(placement: Placement | None) -> dict[str, int | None]:
 
 
 def build_partition(
-    store: Store, dataset: DatasetRef, options: PartitionOptions, progress: Progress = no_progress
+    store: Store, dataset: DatasetRef, options: PartitionOptions, progress: Progress = no_progress,
+    force: bool = False,
 ) -> PartitionRef:
     """Partition ``dataset`` (or return the stored result with the same fingerprint).
 
     ``options.stable_from`` is resolved first (``resolve_stable_from``), as ``find_partition`` does,
-    so that a lookup and a build agree on the fingerprint.
+    so that a lookup and a build agree on the fingerprint. Before any work: at most one part per
+    node, and the memory estimate (``graphstore.limits``) must fit unless ``force``. A stored
+    partition that fails the quick integrity check counts as missing and is rebuilt in its place
+    (``atomic_artefact`` warns); the dataset's files are hashed against its manifest before they
+    are read (a ``StoreError`` names a corrupt one).
     """
+    if options.parts > dataset.num_nodes:
+        raise InputError("--parts", f"{options.parts} parts for {dataset.num_nodes} nodes of {dataset.name}: "
+                                    "every part needs at least one node")
     options = resolve_stable_from(store, dataset, options)
     found = stored_partition(store, dataset, options)
     if found is not None:
         log.info("partition %s of %s is already in the store: nothing to do", found.fp, dataset.name)
         return found
+    check_memory(partition_estimate(dataset.num_nodes, dataset.num_edges, options.parts), force)
     fp = partition_fingerprint(dataset.fp, options)
     started = time.perf_counter()
+    verify_files(dataset.path, DATASET_FILES, DatasetManifest)
     graph = load_graph_arrays(dataset)
     placement = None
     if options.stable_from is not None:
@@ -193,7 +215,7 @@ def write_parts(
 ) -> list[dict[str, int | float]]:
     """Write ``part=i/{nodes,edges,halo}.parquet`` for every part; return the stats rows."""
     columns = feature_columns(dataset.manifest.feature_format)
-    features = pq.read_table(dataset.path / "features.parquet", columns=columns)
+    features = read_table(dataset.path / "features.parquet", columns=columns)
     # Part ids in the narrowest integer type: numpy's stable sort is a radix sort for <= 16-bit
     # integers (several times faster than for int64 on 20M edges), and gathers move fewer bytes.
     small = part.astype(np.int16 if parts <= np.iinfo(np.int16).max else np.int64)

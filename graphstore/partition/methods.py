@@ -31,7 +31,7 @@ class PartitionOptions(BaseModel):
     method: Literal["random", "metis", "supernode", "column"] = Field(
         "metis", description="random | metis | supernode | column.")
     parts: int = Field(4, ge=1, description="Number of partitions K (= workers).")
-    seed: int = Field(0, description="Seed (random assignment, METIS, supernode dealing).")
+    seed: int = Field(0, ge=0, description="Seed (random assignment, METIS, supernode dealing).")
     objective: Literal["cut", "vol"] = Field(
         "cut", description="METIS objective: cut (edge cut) or vol (communication volume).")
     clusters: int | None = Field(None, ge=1, description="supernode: number of METIS clusters (default 16 x parts).")

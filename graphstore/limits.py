@@ -1,0 +1,120 @@
+"""Resource checks before work starts: the peak memory of an ingest, a partitioning or a training,
+estimated from its inputs and compared with the memory available on this machine now.
+
+A request whose estimate exceeds the available memory is refused with one line (what needs how
+much, what is available, what to do) before anything is allocated; ``force`` turns the refusal
+into a logged warning. The estimates are deliberately simple: bytes per node, per edge and per
+feature value of the arrays each step holds at its peak, with the constants below (measured on
+this project's own runs, rounded up). They aim to catch requests that cannot fit (a 5e9-node
+graph, a 1e8-wide feature vocabulary times a hidden layer), not to predict the peak exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+
+from graphstore.errors import RetexoError
+
+log = logging.getLogger(__name__)
+
+# Bytes held at the peak, per item (see each estimate's docstring).
+SYNTHETIC_PER_EDGE = 75  # candidate keys, their sorted unique copy and both directions (int64)
+SYNTHETIC_PER_NODE = 64  # labels, class members, split strings
+TABLE_PER_EDGE = 80  # Arrow columns, int64 copies, sort and de-duplication
+TABLE_PER_NODE = 64
+PARTITION_PER_EDGE = 40  # CSR adjacency (int64 and METIS's int32 copy), per-part edge lists
+PARTITION_PER_NODE = 80
+WORKER_BASE = 300 * 2**20  # one worker process: the Python interpreter, torch and gloo
+ADAM_COPIES = 4  # a parameter, its gradient and Adam's two moments
+
+
+class ResourceError(RetexoError):
+    """A request needs more memory (or processes) than this machine has."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """``what`` needs about ``bytes`` at its peak; ``advice`` says how to make it smaller."""
+
+    what: str
+    bytes: int
+    advice: str
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation now (``MemAvailable``)."""
+    return int(psutil.virtual_memory().available)
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(nbytes) < 1024 or unit == "PB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} PB"
+
+
+def check_memory(estimate: Estimate, force: bool = False, available: int | None = None) -> None:
+    """Refuse ``estimate`` when it exceeds the available memory (a warning instead with ``force``)."""
+    available = available_memory() if available is None else available
+    if estimate.bytes <= available:
+        return
+    message = (f"{estimate.what} needs about {human(estimate.bytes)} of memory, but {human(available)} is available "
+               f"on this machine")
+    if force:
+        log.warning("%s; going on because of --force", message)
+        return
+    raise ResourceError(f"{message}; {estimate.advice}, or pass --force to try anyway")
+
+
+def synthetic_estimate(nodes: int, avg_degree: float, features: int, node_chunk: int) -> Estimate:
+    """A generated graph: its directed edges (``nodes * avg_degree``) and nodes are held whole, the
+    features one chunk of ``node_chunk`` nodes at a time (float32, with two temporaries)."""
+    edges = nodes * avg_degree
+    needed = edges * SYNTHETIC_PER_EDGE + nodes * SYNTHETIC_PER_NODE + min(nodes, node_chunk) * features * 4 * 3
+    return Estimate(f"generating {nodes:,} nodes and {edges:,.0f} edges", int(needed),
+                    "use fewer nodes or a lower --avg-degree")
+
+
+def tables_estimate(edge_rows: int, node_rows: int, feature_bytes: int, undirected: bool) -> Estimate:
+    """Ingesting tables: every edge (twice when ``undirected``) and node row is held as int64
+    arrays with sorting copies; ``feature_bytes`` is the decoded size of the feature matrix."""
+    edges = edge_rows * (2 if undirected else 1)
+    needed = edges * TABLE_PER_EDGE + node_rows * TABLE_PER_NODE + feature_bytes
+    return Estimate(f"ingesting {node_rows:,} nodes and {edges:,} edges", int(needed),
+                    "ingest a smaller graph or fewer feature columns")
+
+
+def partition_estimate(nodes: int, edges: int, parts: int) -> Estimate:
+    """Partitioning: the whole adjacency in CSR form (and METIS's copy of it) plus per-part lists."""
+    needed = nodes * PARTITION_PER_NODE + edges * PARTITION_PER_EDGE
+    return Estimate(f"partitioning {nodes:,} nodes and {edges:,} edges into {parts} parts", int(needed),
+                    "partition a smaller graph")
+
+
+def training_estimate(*, nodes: int, edges: int, features: int, feature_bytes: int, sparse: bool, hidden: int,
+                      layers: int, workers: int, halo_nodes: int, heads: int = 1) -> Estimate:
+    """Training on one machine with ``workers`` processes, each holding 1/workers of the graph.
+
+    Per worker: the process itself (``WORKER_BASE``); its owned and halo nodes' input features
+    (``feature_bytes`` is the dataset's decoded feature matrix: N x F x 4 dense, or its non-zeros
+    x 8 sparse) three times (raw, aggregated, normalised); the hidden activations of every layer
+    (x4: forward, aggregate, gradient, best copy); its edges (int64 pairs, x2); and the model, whose
+    first layer is F x hidden, four times (``ADAM_COPIES``). A sparse input also keeps its
+    transpose's row pointer, (F + 1) int64.
+    """
+    share = 1.0 / workers
+    rows = nodes * share * 1.1 + halo_nodes * share  # 10 % for imbalance between parts
+    inputs = feature_bytes * (rows / max(nodes, 1)) * 3
+    activations = rows * hidden * heads * 4 * 4 * layers
+    graph = edges * share * 1.1 * 16 * 2
+    model = (features * hidden + max(layers - 1, 0) * hidden * hidden) * heads * 4 * ADAM_COPIES
+    transpose = (features + 1) * 8 if sparse else 0
+    per_worker = WORKER_BASE + inputs + activations + graph + model + transpose
+    return Estimate(
+        f"training with {workers} worker process(es) ({features:,} input features, hidden {hidden}) "
+        f"on {nodes:,} nodes", int(per_worker * workers),
+        "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features")
