@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -14,8 +15,8 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from flows.console import err, human_bytes, out, print_table, progress_bars
-from graphstore.catalog import query, refresh_catalog
-from graphstore.errors import RetexoError
+from graphstore.catalog import DEFAULT_TIMEOUT_S, query, refresh_catalog
+from graphstore.errors import RetexoError, describe_validation_error
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat
 from graphstore.ingest.splits import SplitFractions
@@ -24,7 +25,8 @@ from graphstore.ingest.tables import TableOptions
 from flows.options import OptionGroup, collect, with_options
 from graphstore.layout import STORE_ENV, Store
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset
-from graphstore.maintenance import garbage_collect, list_artefacts
+from graphstore.integrity import verify_store
+from graphstore.maintenance import garbage_collect, list_artefacts, remove_corrupt
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 
@@ -49,6 +51,7 @@ StoreOption = Annotated[
 TrainFrac = Annotated[float, typer.Option(help="Fraction of each class's labelled nodes for training, when the source has no split.")]
 ValFrac = Annotated[float, typer.Option(help="Fraction for validation (the rest is test), when the source has no split.")]
 SplitSeed = Annotated[int, typer.Option(help="Seed of the stratified split.")]
+ForceOption = Annotated[bool, typer.Option("--force", help="Go on even when the memory estimate exceeds the memory available now.")]
 FeatureFormatOption = Annotated[
     RequestedFormat,
     typer.Option(help="How features are stored: sparse (column ids + values per row) or dense; auto keeps sparse "
@@ -124,6 +127,7 @@ def ingest_tables_cmd(
     train_frac: TrainFrac = 0.6,
     val_frac: ValFrac = 0.2,
     split_seed: SplitSeed = 0,
+    force: ForceOption = False,
     store: StoreOption = None,
 ) -> None:
     """Ingest your own graph from edge / node / feature tables (see the README for the format)."""
@@ -131,7 +135,7 @@ def ingest_tables_cmd(
     options = TableOptions(src_column=src_column, dst_column=dst_column, undirected=undirected, num_classes=num_classes,
                            feature_format=feature_format)
     fractions = SplitFractions(train=train_frac, val=val_frac, seed=split_seed)
-    show_dataset(ingest_tables(st, name, edges, nodes, features, options, fractions))
+    show_dataset(ingest_tables(st, name, edges, nodes, features, options, fractions, force))
     refresh_catalog(st)
 
 
@@ -141,6 +145,7 @@ def ingest_synthetic_cmd(
     name: Annotated[str, typer.Option(help="Dataset name in the store.")],
     train_frac: TrainFrac = 0.6,
     val_frac: ValFrac = 0.2,
+    force: ForceOption = False,
     store: StoreOption = None,
     **options: Any,
 ) -> None:
@@ -149,7 +154,7 @@ def ingest_synthetic_cmd(
     synthetic = collect(SYNTHETIC_OPTIONS, options)
     fractions = SplitFractions(train=train_frac, val=val_frac, seed=synthetic.seed)  # type: ignore[attr-defined]
     with progress_bars() as progress:
-        ref = ingest_synthetic(st, name, synthetic, fractions, progress)  # type: ignore[arg-type]
+        ref = ingest_synthetic(st, name, synthetic, fractions, progress, force)  # type: ignore[arg-type]
     show_dataset(ref)
     refresh_catalog(st)
 
@@ -158,6 +163,7 @@ def ingest_synthetic_cmd(
 @with_options(PARTITION_OPTIONS)
 def partition_cmd(
     dataset: Annotated[str, typer.Argument(help="Dataset name (newest version) or fingerprint.")],
+    force: ForceOption = False,
     store: StoreOption = None,
     **options: Any,
 ) -> None:
@@ -166,7 +172,7 @@ def partition_cmd(
     options = collect(PARTITION_OPTIONS, options)
     ref_dataset = find_dataset(st, dataset)
     with progress_bars() as progress:
-        ref = build_partition(st, ref_dataset, options, progress)
+        ref = build_partition(st, ref_dataset, options, progress, force)
     refresh_catalog(st)
     show_partition(st, ref)
 
@@ -175,12 +181,13 @@ def partition_cmd(
 def sql_cmd(
     statement: Annotated[str, typer.Argument(help="A SELECT query over the catalog views (datasets, nodes, edges, partitions, ...).")],
     format: Annotated[str, typer.Option("--format", help="table | csv | json.")] = "table",
+    timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds.")] = DEFAULT_TIMEOUT_S,
     store: StoreOption = None,
 ) -> None:
-    """Run a read-only SQL query against the store's DuckDB catalog."""
+    """Run a read-only SQL query over the store's views; it can read the store's files and nothing else."""
     if format not in ("table", "csv", "json"):
         raise RetexoError(f"--format must be table, csv or json, not '{format}'")
-    columns, rows = query(open_store(store), statement)
+    columns, rows = query(open_store(store), statement, timeout)
     print_table(None, columns, rows, format)
 
 
@@ -202,6 +209,51 @@ def store_gc_cmd(store: StoreOption = None) -> None:
                 [[str(p.relative_to(st.root)), human_bytes(b)] for p, b in removed])
 
 
+VERIFY_HELP = (
+    "Check every artefact against the sha256 checksums in its manifest, and every Parquet footer.\n\n"
+    "Lists (kind, path, problem): unreadable manifests, listed files that are missing or changed since they were "
+    "written, Parquet files whose footer cannot be read, and artefacts written before checksums were recorded "
+    "(unverified: reported, never removed). With --repair the corrupt artefacts are removed under their writer "
+    "locks: partitions, layers and runs are rebuilt by the next partition / train command, a removed dataset must "
+    "be ingested again.\n\n"
+    "Exit code 0: nothing corrupt (or all of it removed); 1: corrupt artefacts found and not removed."
+)
+
+
+@store_app.command("verify", help=VERIFY_HELP)
+def store_verify_cmd(
+    repair: Annotated[bool, typer.Option("--repair", help="Remove the corrupt artefacts so that the next run "
+                                         "rebuilds them.")] = False,
+    store: StoreOption = None,
+) -> None:
+    """``retexo store verify [--repair]`` (``graphstore.integrity.verify_store``, ``maintenance.remove_corrupt``)."""
+    started = time.perf_counter()
+    st = open_store(store)
+    checks = verify_store(st)
+    seconds = time.perf_counter() - started
+    corrupt = [c for c in checks if c.corrupt]
+    unverified = [c for c in checks if c.unverified and not c.corrupt]
+    rows = [[c.kind, str(f.path.relative_to(st.root)), f.problem] for c in checks for f in c.findings]
+    if rows:
+        print_table(f"store {st.root}", ["kind", "path", "problem"], rows)
+    out.print(f"{len(checks)} artefacts checked ({human_bytes(sum(c.bytes for c in checks))} of files read in "
+              f"{seconds:.2f} s): {len(corrupt)} corrupt, {len(unverified)} unverified (no checksums), "
+              f"{len(checks) - len(corrupt) - len(unverified)} intact", highlight=False)
+    if not corrupt:
+        return
+    if not repair:
+        out.print("run `retexo store verify --repair` to remove the corrupt artefacts", highlight=False)
+        raise typer.Exit(1)
+    removals = remove_corrupt(st, corrupt)
+    print_table("repair", ["kind", "path", "outcome"],
+                [[r.check.kind, str(r.check.folder.relative_to(st.root)), r.note] for r in removals])
+    left = [r for r in removals if not r.resolved]
+    out.print(f"repaired {len(removals) - len(left)} of {len(corrupt)} corrupt artefacts: the next `retexo partition` "
+              "/ `retexo train` rebuilds partitions, layers and runs; ingest a removed dataset again", highlight=False)
+    if left:
+        raise typer.Exit(1)
+
+
 @app.command("report")
 def report_cmd(
     run: Annotated[str, typer.Argument(help="Run fingerprint (or a unique prefix).")],
@@ -218,15 +270,18 @@ def report_cmd(
 def main() -> None:
     from flows.cli_training import register_training_commands
 
-    logging.basicConfig(level=os.environ.get("RETEXO_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("RETEXO_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # also for loggers with their own level (Prefect's INFO):
+        handler.setLevel(level)  # their records still reach the Prefect API, not the console
     register_training_commands(app)
     try:
         app()
     except RetexoError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)  # paths/values may hold [brackets]
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # paths/values may hold [brackets]
         raise SystemExit(2) from None
     except ValidationError as exc:
-        err.print(f"[bold red]invalid option:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(describe_validation_error(exc, 'invalid option'))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from flows.params import PipelineParams, RunParams
+from flows.params import PipelineParams, RunParams, baseline_params
 from flows.train import train_and_report
 from graphstore.errors import StoreError
 from graphstore.layout import Store
@@ -54,11 +54,11 @@ def pipeline_flow(params: PipelineParams) -> dict[str, object] | State:
     gate = params.promotion
     if gate.pipeline and gate.warm_start:
         run = with_pipeline_warm_start(params, run)
-    result = train_and_report(run)
+    result = train_and_report(run, [baseline_params(run, strategy) for strategy in params.compare])
     stages.update(result["stages"])  # type: ignore[arg-type]
     summary: dict[str, object] = {
         "run": result["run"], "stages": stages, "test_acc": result["test_acc"], "total_bytes": result["total_bytes"],
-        "report": result["report"], "plot": result["plot"], "dataset": dataset["fp"]}
+        "report": result["report"], "plot": result["plot"], "dataset": dataset["fp"], "compared": result["compared"]}
     if gate.pipeline:
         decision = promote_task(run, gate, str(result["run"]))
         stages["promote"] = str(decision["decision"])

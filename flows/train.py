@@ -3,6 +3,8 @@ it and publish its report. The pipeline calls the same tasks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefect import flow
 
 from flows.params import RunParams
@@ -26,14 +28,27 @@ def plan_for(params: RunParams) -> RunPlan:
     return plan_run(store, dataset, partition, params.train, params.network)
 
 
-def train_and_report(params: RunParams) -> dict[str, object]:
-    """The train task (with the retries of ``params``) and the report task; the stages' statuses."""
+def train(params: RunParams) -> dict[str, object]:
+    """The train task with the retries of ``params``."""
+    return train_task.with_options(retries=params.retries, retry_delay_seconds=params.retry_delay_s)(plan_for(params))
+
+
+def train_and_report(params: RunParams, baselines: Sequence[RunParams] = ()) -> dict[str, object]:
+    """The train task, then the ``baselines`` (the same task each), then the report task, whose
+    accuracy-vs-bytes plot therefore shows the run next to its baselines. Returns the run's
+    summary with every stage's status and ``compared``: the baselines' run fingerprints."""
     plan = plan_for(params)
-    trained = train_task.with_options(retries=params.retries, retry_delay_seconds=params.retry_delay_s)(plan)
-    report = report_task(plan)
+    trained = train(params)
     stages = {f"layer {layer}": state for layer, state in trained["layers"].items()}  # type: ignore[union-attr]
     stages["evaluate"] = trained["evaluate"]  # type: ignore[assignment]
-    return {**trained, **report, "stages": stages}
+    compared = []
+    for baseline in baselines:
+        result = train(baseline)
+        fresh = any(state != "cached" for state in result["layers"].values())  # type: ignore[union-attr]
+        stages[f"compare {baseline.train.strategy}"] = "trained" if fresh else "cached"
+        compared.append(str(result["run"]))
+    report = report_task(plan)
+    return {**trained, **report, "stages": stages, "compared": compared}
 
 
 @flow(name="train")

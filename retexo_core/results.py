@@ -46,6 +46,11 @@ class ResultSink(Protocol):
         """This part's predictions from the last layer: (n,) ids, (n,) int64 classes, (n,) float32
         max softmax probabilities, (n,) split names."""
 
+    def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
+        """Where this rank is: ``done`` of ``total`` rounds (epochs) of ``layer`` (0: the whole
+        model of an end-to-end strategy), the last global validation accuracy and the bytes this
+        rank has sent so far. Called at every validation point; for display only."""
+
     def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:
         """Rank 0, after every rank wrote its part: model parameters, curves, evaluation; the layer

@@ -43,6 +43,8 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     data = prepare_features(data, config)
     isolated = config.strategy in ("tma", "grappa")
     ctx = isolated_context(comm, data, config) if isolated else make_context(comm, data, config)
+    ctx.on_progress = lambda layer, done, total, val: sink.progress(layer, data.part, done, total, val,
+                                                                    comm.log.total_bytes())
     log.info("%s %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
              config.strategy, config.model, data.num_owned, data.num_halo, len(data.src),
              ctx.local_train, ctx.train_count, layers)

@@ -39,6 +39,7 @@ class WorkerContext:
     graphs: dict[str, LocalGraph]
     plans: dict[str, ExchangePlan]
     history: list[dict[str, object]] = field(default_factory=list)
+    on_progress: Callable[[int, int, int, float | None], None] | None = None  # (layer, done, total, val acc)
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """This rank's own random stream (dropout masks, batches), never the global RNG."""
@@ -171,9 +172,11 @@ def split_stats(ctx: WorkerContext, logits: torch.Tensor,
 
 
 def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, tuple[float, float]], total: int) -> None:
-    """Keep the round's metrics; log about ten lines per layer."""
+    """Keep the round's metrics, report progress; log about ten lines per layer."""
     for split, (loss, acc) in stats.items():
         ctx.history.append({"layer": layer, "round": round_, "split": split, "loss": loss, "acc": acc})
+    if ctx.on_progress is not None:
+        ctx.on_progress(layer, round_ + 1, total, stats["val"][1] if "val" in stats else None)
     if round_ % max(1, total // 10) == 0 or round_ == total - 1:
         log.info("layer %d round %d/%d: %s", layer, round_ + 1, total,
                  ", ".join(f"{s} loss {l:.4f} acc {a:.4f}" for s, (l, a) in stats.items()))

@@ -1,0 +1,108 @@
+"""Running a flow in this process (``retexo run``) robustly: a Prefect API that starts on a busy
+machine, and flow runs that never stay ``RUNNING`` after their process died.
+
+- Without ``PREFECT_API_URL`` Prefect starts a temporary (ephemeral) API server and waits 20 s
+  for it by default; under CPU load that is too short. ``EPHEMERAL_STARTUP_TIMEOUT_S`` is used
+  unless the user set ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``, and a server that
+  still does not start is reported in one line that says what to do.
+- Every flow run started here is tagged with this process (``retexo-process:<host>:<pid>:<start
+  time>``). Before a new flow runs, flow runs of this host still ``RUNNING`` whose process is gone
+  (killed with SIGKILL, or the machine lost power) are set to ``Crashed``. A run interrupted by
+  SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from graphstore.errors import RetexoError
+
+log = logging.getLogger(__name__)
+
+EPHEMERAL_STARTUP_TIMEOUT_S = 120
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+PROCESS_TAG = "retexo-process"
+
+
+class PrefectUnavailable(RetexoError):
+    """The Prefect API could not be reached or started."""
+
+
+def process_tag(pid: int | None = None) -> str:
+    """``retexo-process:<host>:<pid>:<start time>`` of a process (this one by default); the start
+    time tells a reused pid apart."""
+    process = psutil.Process(pid)
+    return f"{PROCESS_TAG}:{socket.gethostname()}:{process.pid}:{int(process.create_time())}"
+
+
+def process_is_alive(tag: str) -> bool:
+    """True when the process a tag names still runs (or runs on another host: not ours to judge)."""
+    _, host, pid, started = tag.split(":")
+    if host != socket.gethostname():
+        return True
+    try:
+        return int(psutil.Process(int(pid)).create_time()) == int(started)
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+def mark_orphaned_flow_runs() -> list[str]:
+    """Set to ``Crashed`` the ``RUNNING`` flow runs started by a ``retexo`` process of this host
+    that no longer exists; returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    marked = []
+    with get_client(sync_client=True) as client:
+        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+        for run in running:
+            tags = [t for t in run.tags or [] if t.startswith(f"{PROCESS_TAG}:")]
+            if tags and not process_is_alive(tags[0]):
+                pid = tags[0].split(":")[2]
+                client.set_flow_run_state(run.id, Crashed(message=f"its process (pid {pid}) died while it ran"),
+                                          force=True)
+                marked.append(str(run.name))
+    for name in marked:
+        log.warning("flow run %s was left RUNNING by a process that died: marked Crashed", name)
+    return marked
+
+
+def prepare_environment() -> None:
+    """Settings Prefect reads when it is imported: call before importing any flow."""
+    os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(EPHEMERAL_STARTUP_TIMEOUT_S))
+
+
+def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
+    """Run ``flow(*args)`` in this process and return its final state (``return_state=True``).
+
+    Orphaned flow runs are marked first; a Prefect API that cannot be started or reached is a
+    ``PrefectUnavailable`` with one line of advice instead of a traceback.
+    """
+    import httpx
+    from prefect import tags
+
+    try:
+        mark_orphaned_flow_runs()
+        with tags(process_tag()):
+            return flow(*args, return_state=True)
+    except RuntimeError as exc:
+        if "ephemeral Prefect API server" not in str(exc):
+            raise
+        timeout = os.environ.get(STARTUP_TIMEOUT_ENV, "20")
+        raise PrefectUnavailable(
+            f"the temporary Prefect API server did not start within {timeout} s (is the machine very busy?): "
+            f"set {STARTUP_TIMEOUT_ENV} higher, or start a server with `prefect server start` and point "
+            "PREFECT_API_URL at it") from None
+    except httpx.ConnectError as exc:
+        raise PrefectUnavailable(
+            f"cannot reach the Prefect API at {os.environ.get('PREFECT_API_URL', '(ephemeral)')} ({exc}): start it "
+            "(`prefect server start`) or unset PREFECT_API_URL to use a temporary one") from None
