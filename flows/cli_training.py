@@ -110,7 +110,8 @@ def train_cmd(
     config = collect(TRAIN, options)
     partition_options = collect(PARTITION, options)
     check_local_workers(partition_options.parts, config.strategy)  # type: ignore[attr-defined]
-    ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0)
+    ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0,
+                                        force=config.force)  # type: ignore[attr-defined]
     plan = plan_run(st, ref, partition, config, collect(NETWORK, options))
     summary, progress = run_training(plan)
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
@@ -139,7 +140,7 @@ def worker_cmd(
     launch = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
     check_local_workers(params.partition.parts, params.train.strategy, nnodes, node_rank)  # type: ignore[union-attr]
     dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]
-                                          launch, params.train.timeout_s)
+                                          launch, params.train.timeout_s, force=params.train.force)
     plan = plan_run(st, dataset, partition, params.train, params.network)
     ranks = node_ranks(plan.world, nnodes, node_rank)
     err.print(f"node {node_rank}: running ranks {ranks} of run {plan.run_fp}")

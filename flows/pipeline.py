@@ -48,7 +48,7 @@ def pipeline_flow(params: PipelineParams) -> dict[str, object] | State:
     dataset = ingest_task(store_root, params.dataset)  # type: ignore[arg-type]
     stages: dict[str, str] = {"ingest": str(dataset["status"])}
     if params.train.strategy != "centralized":
-        partition = partition_task(store_root, str(dataset["fp"]), params.partition)
+        partition = partition_task(store_root, str(dataset["fp"]), params.partition, params.train.force)
         stages["partition"] = str(partition["stage"])
     run = params.run_params(str(dataset["fp"]))
     gate = params.promotion

@@ -43,6 +43,10 @@ class Estimate:
     bytes: int
     advice: str
 
+    def scaled(self, share: float) -> "Estimate":
+        """The part ``share`` (0..1] of this estimate (one node's workers of a multi-node launch)."""
+        return Estimate(self.what, int(self.bytes * share), self.advice)
+
 
 def available_memory() -> int:
     """Bytes of memory available to a new allocation now (``MemAvailable``)."""

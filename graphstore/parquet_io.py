@@ -254,3 +254,16 @@ def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
     """
     with parquet_errors(path), open(path, "rb") as handle:
         return pq.read_table(handle, columns=columns)
+
+
+def decoded_feature_bytes(path: Path, feature_format: FeatureFormat, num_nodes: int, num_features: int) -> int:
+    """The in-memory size of the feature matrix stored at ``path``, read from the Parquet footer only:
+    N x F x 4 bytes (float32) dense, non-zeros x 8 bytes (int32 column id, float32 value) sparse."""
+    if feature_format == "dense":
+        return num_nodes * num_features * 4
+    with parquet_errors(path), open(path, "rb") as handle:
+        metadata = pq.ParquetFile(handle).metadata
+        column = next(i for i in range(metadata.num_columns)
+                      if metadata.schema.column(i).path.startswith(SPARSE_COLUMNS[0] + "."))
+        nonzeros = sum(metadata.row_group(g).column(column).num_values for g in range(metadata.num_row_groups))
+    return nonzeros * 8

@@ -34,9 +34,11 @@ from graphstore.catalog import refresh_catalog
 from graphstore.errors import RetexoError, StoreError
 from graphstore.history import hold_run, mark_abandoned, record_run_event
 from graphstore.integrity import intact_manifest
+from graphstore.limits import Estimate, check_memory, training_estimate
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_layer, find_partition, layer_fp_of
 from graphstore.manifests import RunManifest, read_manifest
+from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
@@ -234,8 +236,10 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
     if host and intact_manifest(run_dir, RunManifest) is not None and all(layer_state(plan, l) == "done"
                                                                          for l in plan.layers):
         return read_manifest(run_dir, RunManifest), [LayerProgress(l, "cached", 0.0) for l in plan.layers]
+    local_ranks = len(node_ranks(plan.world, launch.nnodes, launch.node_rank))
     if launch.launcher == "processes":
-        check_worker_processes(len(node_ranks(plan.world, launch.nnodes, launch.node_rank)))
+        check_worker_processes(local_ranks)
+    check_memory(training_memory(plan, local_ranks), plan.config.force)
     if not host:
         return None, ensure_layers(plan, launch, on_layer)
     mark_abandoned(plan.store, plan.run_fp)  # left "started" by a launcher that is gone
@@ -256,15 +260,30 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
     return summary, progress
 
 
+def training_memory(plan: RunPlan, local_ranks: int) -> Estimate:
+    """The memory estimate of this node's ``local_ranks`` workers, from the dataset's manifest, its
+    features file's footer and the partition's halo size (nothing is loaded)."""
+    ref = find_dataset(plan.store, plan.dataset_fp)
+    dataset = ref.manifest
+    features = decoded_feature_bytes(ref.path / "features.parquet",
+                                     dataset.feature_format, dataset.num_nodes, dataset.num_features)
+    halo = 0 if plan.whole_graph else PartitionRef.at(Path(plan.source_dir)).halo_total
+    cfg = plan.config
+    return training_estimate(nodes=dataset.num_nodes, edges=dataset.num_edges, features=dataset.num_features,
+                             feature_bytes=features, sparse=dataset.feature_format == "sparse", hidden=cfg.hidden,
+                             layers=cfg.layers, workers=max(plan.world, 1), halo_nodes=halo,
+                             heads=cfg.heads if cfg.model == "gat" else 1).scaled(local_ranks / max(plan.world, 1))
+
+
 def training_sources(store: Store, dataset: str, options: PartitionOptions, strategy: str,
-                     launch: LaunchOptions, wait_s: float) -> tuple[DatasetRef, PartitionRef | None]:
+                     launch: LaunchOptions, wait_s: float, force: bool = False) -> tuple[DatasetRef, PartitionRef | None]:
     """The dataset and the partition a run trains on. Node 0 builds the partition when it is missing;
     the other nodes of a multi-node launch wait (up to ``wait_s``) for it to appear in the shared store."""
     if strategy == "centralized":
         return find_dataset(store, dataset), None
     if launch.node_rank == 0:
         ref = find_dataset(store, dataset)
-        return ref, build_partition(store, ref, options)
+        return ref, build_partition(store, ref, options, force=force)
     deadline = time.monotonic() + wait_s
     while True:
         try:
