@@ -25,9 +25,10 @@ SYNTHETIC_PER_EDGE = 75  # candidate keys, their sorted unique copy and both dir
 SYNTHETIC_PER_NODE = 64  # labels, class members, split strings
 TABLE_PER_EDGE = 80  # Arrow columns, int64 copies, sort and de-duplication
 TABLE_PER_NODE = 64
-PARTITION_PER_EDGE = 40  # CSR adjacency (int64 and METIS's int32 copy), per-part edge lists
+PARTITION_PER_EDGE = 200  # CSR adjacency, METIS's own graph and workspace, per-part edge lists (4.0 GB at 20M)
 PARTITION_PER_NODE = 80
-WORKER_BASE = 300 * 2**20  # one worker process: the Python interpreter, torch and gloo
+WORKER_BASE = 400 * 2**20  # one worker process: the Python interpreter, torch and gloo
+ACTIVATION_COPIES = 2  # per layer: the hidden rows and their gradient (buffers are reused between rounds)
 ADAM_COPIES = 4  # a parameter, its gradient and Adam's two moments
 
 
@@ -105,17 +106,19 @@ def training_estimate(*, nodes: int, edges: int, features: int, feature_bytes: i
 
     Per worker: the process itself (``WORKER_BASE``); its owned and halo nodes' input features
     (``feature_bytes`` is the dataset's decoded feature matrix: N x F x 4 dense, or its non-zeros
-    x 8 sparse) three times (raw, aggregated, normalised); the hidden activations of every layer
-    (x4: forward, aggregate, gradient, best copy); its edges (int64 pairs, x2); and the model, whose
-    first layer is F x hidden, four times (``ADAM_COPIES``). A sparse input also keeps its
-    transpose's row pointer, (F + 1) int64.
+    x 8 sparse) three times (raw, aggregated, normalised); ``ACTIVATION_COPIES`` float32 rows of
+    width ``hidden`` per owned or halo node and layer; its edges (int64 pairs, x2, and one float32
+    attention coefficient per head for GAT); and the model, whose first layer is F x hidden,
+    ``ADAM_COPIES`` times. A sparse input also keeps its transpose's row pointer, (F + 1) int64.
+    Calibrated on ``benchmarks/scale.py`` (1M nodes, 20M edges, 8 workers, GCN): 14.0 GB estimated,
+    15.1 GB measured for the whole process tree.
     """
     share = 1.0 / workers
     rows = nodes * share * 1.1 + halo_nodes * share  # 10 % for imbalance between parts
     inputs = feature_bytes * (rows / max(nodes, 1)) * 3
-    activations = rows * hidden * heads * 4 * 4 * layers
-    graph = edges * share * 1.1 * 16 * 2
-    model = (features * hidden + max(layers - 1, 0) * hidden * hidden) * heads * 4 * ADAM_COPIES
+    activations = rows * hidden * 4 * ACTIVATION_COPIES * layers
+    graph = edges * share * 1.1 * (16 * 2 + 4 * heads)
+    model = (features * hidden + max(layers - 1, 0) * hidden * hidden) * 4 * ADAM_COPIES
     transpose = (features + 1) * 8 if sparse else 0
     per_worker = WORKER_BASE + inputs + activations + graph + model + transpose
     return Estimate(

@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from graphstore.errors import RetexoError
+from graphstore.limits import WORKER_BASE
 from runner.worker import WorkerJob, core_logs_to_files, error_file, marker, process_main, thread_main
 
 GRACE_SECONDS = 5.0
 HANG_CHECK_S = 1.0  # seconds between two looks at the workers' heartbeats and CPU time
-WORKER_BYTES = 400 * 2**20  # resident memory of one torch worker process, upper end (250-400 MB)
 MAX_WORKERS = 64  # hard cap of worker processes per machine, whatever its memory
 MAX_WORKERS_ENV = "RETEXO_MAX_WORKERS"
 Launcher = Literal["processes", "threads"]
@@ -102,7 +102,7 @@ def available_memory() -> int:
 
 def worker_ceiling() -> tuple[int, str]:
     """(most worker processes this machine may run, why): ``RETEXO_MAX_WORKERS`` when set, else
-    ``min(MAX_WORKERS, available memory // WORKER_BYTES)`` (at least 1)."""
+    ``min(MAX_WORKERS, available memory // WORKER_BASE)`` (at least 1)."""
     value = os.environ.get(MAX_WORKERS_ENV)
     if value is not None:
         try:
@@ -113,10 +113,10 @@ def worker_ceiling() -> tuple[int, str]:
             raise RetexoError(f"{MAX_WORKERS_ENV} must be a positive whole number of worker processes, not '{value}'")
         return ceiling, f"{MAX_WORKERS_ENV}={ceiling}"
     memory = available_memory()
-    fit = max(1, memory // WORKER_BYTES)
+    fit = max(1, memory // WORKER_BASE)
     if fit >= MAX_WORKERS:
         return MAX_WORKERS, f"hard cap {MAX_WORKERS}"
-    return fit, f"{memory / 2**30:.1f} GB available, {WORKER_BYTES // 2**20} MB per worker"
+    return fit, f"{memory / 2**30:.1f} GB available, {WORKER_BASE // 2**20} MB per worker"
 
 
 def check_worker_processes(count: int) -> None:
