@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from flows.cli import StoreOption, open_store
-from flows.console import err, human_bytes, out, print_table
+from flows.console import err, human_bytes, out, print_table, training_bars
 from flows.options import OptionGroup, collect, with_options
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
@@ -88,11 +88,10 @@ def show_comparison(runs: list[RunManifest]) -> None:
     title = f"run {first.fp}: {first.label} {first.model} on {first.dataset_name} ({first.parts} parts, {first.method})"
     if len(runs) > 1:
         title += " vs " + ", ".join(r.label for r in runs[1:])
-    net = first.network
-    print_table(title, ["strategy", "run", "test acc", "val acc", "bytes", f"sim. comm s ({net['bandwidth_mbps']:g} Mbit/s)",
-                        "training s"],
-                [[r.label, r.fp, r.test_acc, r.val_acc, human_bytes(r.total_bytes), round(r.sim_comm_s, 1),
-                  round(r.wall_s, 1)] for r in runs])
+    title += f"; comm. simulated at {first.network['bandwidth_mbps']:g} Mbit/s"
+    print_table(title, ["strategy", "run", "test acc", "val acc", "bytes", "sim. comm s", "training s"],
+                [[r.label, r.fp[:8], f"{r.test_acc:.4f}", f"{r.val_acc:.4f}", human_bytes(r.total_bytes),
+                  f"{r.sim_comm_s:.1f}", f"{r.wall_s:.1f}"] for r in runs])
 
 
 def train_cmd(
@@ -113,7 +112,8 @@ def train_cmd(
     ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0,
                                         force=config.force)  # type: ignore[attr-defined]
     plan = plan_run(st, ref, partition, config, collect(NETWORK, options))
-    summary, progress = run_training(plan)
+    with training_bars() as (on_layer, on_round):
+        summary, progress = run_training(plan, on_layer=on_layer, on_round=on_round)
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
 
 
@@ -144,7 +144,8 @@ def worker_cmd(
     plan = plan_run(st, dataset, partition, params.train, params.network)
     ranks = node_ranks(plan.world, nnodes, node_rank)
     err.print(f"node {node_rank}: running ranks {ranks} of run {plan.run_fp}")
-    summary, progress = run_training(plan, launch)
+    with training_bars() as (on_layer, on_round):
+        summary, progress = run_training(plan, launch, on_layer, on_round)
     if summary is None:
         err.print(f"node {node_rank}: ranks {ranks} finished")
         return
@@ -182,9 +183,9 @@ def run_cmd(
         out.print(f"promotion gate of {decision['pipeline']}: {decision['decision']} ({decision['reason']})")
     st = open_store(params.store)
     runs = [read_manifest(st.run_dir(fp), RunManifest) for fp in [result["run"], *result["compared"]]]
-    out.print(f"report: {result['report']}")
+    out.print(f"report: {result['report']}", soft_wrap=True)
     show_comparison(runs)
-    out.print(f"plot:   {result['plot']}")
+    out.print(f"plot:   {result['plot']}", soft_wrap=True)
     if state.is_failed():
         raise typer.Exit(1)
 

@@ -6,7 +6,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +43,38 @@ def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
         for row in rows:
             table.add_row(*("" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value)) for value in row))
         out.print(table)
+
+
+@contextmanager
+def training_bars() -> Iterator[tuple[Callable[[Any], None], Callable[[Any], None]]]:
+    """Yields ``(on_layer, on_round)`` for ``runner.lifecycle.run_training``: one bar per layer
+    (``epochs`` for an end-to-end model) from rank 0's rounds, with the last val accuracy and the
+    bytes all ranks have sent in this launch; a cached or reused layer is one finished line."""
+    with Progress(
+        TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TextColumn("val {task.fields[val]}"),
+        TextColumn("{task.fields[sent]} sent"), TimeElapsedColumn(), console=err, transient=False,
+    ) as bars:
+        tasks: dict[int, Any] = {}
+        totals: dict[int, int] = {}
+
+        def bar(layer: int, total: int) -> Any:
+            totals[layer] = total
+            if layer not in tasks:
+                tasks[layer] = bars.add_task(f"layer {layer}" if layer else "epochs", total=total, val="-", sent="-")
+            return tasks[layer]
+
+        def on_round(item: Any) -> None:
+            val = "-" if item.val_acc is None else f"{item.val_acc:.3f}"
+            bars.update(bar(item.layer, item.total), completed=item.done, total=item.total, val=val,
+                        sent=human_bytes(item.bytes_sent))
+
+        def on_layer(item: Any) -> None:
+            if item.state != "trained" and item.layer not in tasks:
+                bars.update(bar(item.layer, 1), completed=1, val=item.state, sent="-")
+            elif item.layer in tasks:  # committed: full, even if its last round was not polled
+                bars.update(tasks[item.layer], completed=totals[item.layer])
+
+        yield on_layer, on_round
 
 
 @contextmanager

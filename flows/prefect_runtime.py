@@ -79,6 +79,7 @@ def mark_orphaned_flow_runs() -> list[str]:
 def prepare_environment() -> None:
     """Settings Prefect reads when it is imported: call before importing any flow."""
     os.environ.setdefault(STARTUP_TIMEOUT_ENV, str(EPHEMERAL_STARTUP_TIMEOUT_S))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no banner, no calls out
 
 
 def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:

@@ -46,7 +46,7 @@ from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
                            run_workers)
 from runner.plan import RunPlan, layer_state
-from runner.results import StageSpec
+from runner.results import RoundProgress, StageSpec, clear_progress, read_progress
 from runner.worker import WorkerJob
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class LayerProgress:
 
 
 OnLayer = Callable[[LayerProgress], None]
+OnRound = Callable[[RoundProgress], None]
 
 
 def invalidate_run(plan: RunPlan) -> None:
@@ -109,14 +110,15 @@ def refresh_partitions(plan: RunPlan) -> tuple[str, ...]:
                  for k in range(1, periods))
 
 
-def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_layer: OnLayer | None = None) -> None:
+def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_layer: OnLayer | None = None,
+                  on_round: OnRound | None = None) -> None:
     """One launch of the process group that trains ``layers`` (consecutive) of the run.
 
     Node 0 holds the writer locks of the layer folders; every node runs its block of ranks.
     Once it holds the locks, a single-node launch looks at the layers again: the leading layers
     that another run committed while this one waited are reported ``cached`` and not trained (if
     that is all of them, nothing is launched). ``on_layer`` hears of each layer as soon as it is
-    committed. A port clash ("address already in use") is retried on a fresh port when the port
+    committed, ``on_round`` of rank 0's rounds (read from the ranks' progress files). A port clash ("address already in use") is retried on a fresh port when the port
     was chosen here.
     """
     store, host = plan.store, launch.node_rank == 0
@@ -124,8 +126,17 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
     refresh = refresh_partitions(plan) if host or plan.config.strategy == "grappa" else ()
     reported: set[int] = set()
     last = [time.perf_counter()]
+    shown: dict[int, RoundProgress] = {}  # the progress last reported, per layer (0: end-to-end)
+    watched = (layers if plan.config.is_layerwise else [0]) if on_round is not None else []
+    if host:
+        clear_progress(plan.store_root, plan.run_fp)
 
     def watch() -> None:
+        for layer in watched:
+            now = read_progress(plan.store_root, plan.run_fp, layer, plan.world)
+            if now is not None and now != shown.get(layer):
+                shown[layer] = now
+                on_round(now)  # type: ignore[misc]
         for layer in layers:
             if layer not in reported and layer_fp_of(plan.layer_dir(layer)) == plan.layer_fps[layer]:
                 reported.add(layer)
@@ -194,7 +205,7 @@ def skip_committed(plan: RunPlan, stages: tuple[StageSpec, ...], reported: set[i
 
 
 def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
-                  on_layer: OnLayer | None = None) -> list[LayerProgress]:
+                  on_layer: OnLayer | None = None, on_round: OnRound | None = None) -> list[LayerProgress]:
     """Bring every layer of the run into the store: cached layers are skipped, reusable ones
     linked (node 0), and the rest trained in one launch."""
     states = {l: layer_state(plan, l) for l in plan.layers}
@@ -218,12 +229,12 @@ def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
         report(LayerProgress(layer, "reused" if states[layer] == "reusable" else "cached",
                              time.perf_counter() - started))
     if pending:
-        launch_layers(plan, plan.layers[first - 1:], launch, report)
+        launch_layers(plan, plan.layers[first - 1:], launch, report, on_round)
     return progress
 
 
-def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
-                 on_layer: OnLayer | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
+def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_layer: OnLayer | None = None,
+                 on_round: OnRound | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
     """Train (or reuse) every layer, then finalise the run (node 0; other nodes return None).
 
     Node 0 holds the run while it trains it and records its events: ``started``; then
@@ -241,12 +252,12 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
         check_worker_processes(local_ranks)
     check_memory(training_memory(plan, local_ranks), plan.config.force)
     if not host:
-        return None, ensure_layers(plan, launch, on_layer)
+        return None, ensure_layers(plan, launch, on_layer, on_round)
     mark_abandoned(plan.store, plan.run_fp)  # left "started" by a launcher that is gone
     with hold_run(plan.store, plan.run_fp):
         record_run_event(plan.store, plan.run_fp, "started", plan.config.strategy)
         try:
-            progress = ensure_layers(plan, launch, on_layer)
+            progress = ensure_layers(plan, launch, on_layer, on_round)
             if all(p.state == "cached" for p in progress) and intact_manifest(run_dir, RunManifest) is not None:
                 summary = read_manifest(run_dir, RunManifest)  # another run finished it meanwhile
             else:

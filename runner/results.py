@@ -16,6 +16,9 @@ written is a ``StoreError`` naming it.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +39,50 @@ if TYPE_CHECKING:
     import torch
 
     from retexo_core.results import LayerSummary
+
+
+PROGRESS_EVERY_S = 0.25  # seconds between two progress files of one rank
+_last_progress: dict[tuple[str, int], float] = {}  # (run, rank) -> when its progress was last written
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """Where a launch is: ``done`` of ``total`` rounds (epochs) of ``layer`` (0: an end-to-end model)
+    as rank 0 last reported, its global val accuracy, and the bytes every rank has sent so far."""
+
+    layer: int
+    done: int
+    total: int
+    val_acc: float | None
+    bytes_sent: int
+
+
+def progress_path(store_root: str, run_fp: str, layer: int, part: int) -> Path:
+    """``runs/run=<fp>/logs/progress/layer=<layer>/rank-<part>.json``: the last progress a rank
+    reported for ``layer`` (0: an end-to-end model)."""
+    return Store(Path(store_root)).run_dir(run_fp) / "logs" / "progress" / f"layer={layer}" / f"rank-{part}.json"
+
+
+def read_progress(store_root: str, run_fp: str, layer: int, world: int) -> RoundProgress | None:
+    """The progress of ``layer`` from the ranks' files (None before rank 0 wrote one)."""
+    reports = {}
+    for part in range(world):
+        try:
+            reports[part] = json.loads(progress_path(store_root, run_fp, layer, part).read_text())
+        except (OSError, ValueError):
+            continue
+    if 0 not in reports:
+        return None
+    first = reports[0]
+    return RoundProgress(first["layer"], first["done"], first["total"], first["val_acc"],
+                         sum(int(r["bytes_sent"]) for r in reports.values()))
+
+
+def clear_progress(store_root: str, run_fp: str) -> None:
+    """Remove the progress files of an earlier launch of the run."""
+    folder = progress_path(store_root, run_fp, 0, 0).parent.parent
+    for path in folder.glob("layer=*/*.json") if folder.is_dir() else ():
+        path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -92,7 +139,19 @@ class RunFolder:
         return torch.load(folder / "model.pt", weights_only=True)
 
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
-        """``ResultSink.progress`` (display only): nothing is shown from here yet."""
+        """``ResultSink.progress``: this rank's position, in ``progress_path`` (replaced atomically,
+        at most every ``PROGRESS_EVERY_S`` and at the last round), for the launcher's display."""
+        now = time.monotonic()
+        key = (self.run_fp, part)
+        if done < total and now - _last_progress.get(key, -PROGRESS_EVERY_S) < PROGRESS_EVERY_S:
+            return
+        _last_progress[key] = now
+        path = progress_path(self.store_root, self.run_fp, layer, part)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".tmp-{path.name}")
+        temp.write_text(json.dumps({"layer": layer, "done": done, "total": total, "val_acc": val_acc,
+                                    "bytes_sent": bytes_sent}))
+        os.replace(temp, path)
 
     def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,
                           split: np.ndarray) -> None:

@@ -1,7 +1,9 @@
 """Training and reporting tasks. One task owns a whole run: every pending layer is trained in one
 launch of the process group (the lifecycle in ``runner.lifecycle``), and the flow hears of each
-layer as it is committed (a progress artifact and a log line per layer). A retried task resumes
-from the store at the first unfinished layer."""
+layer as it is committed (a progress artifact and a log line per layer), and draws one progress
+bar per layer from rank 0's rounds. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
+out of the console and the flow log. A retried task resumes from the store at the first
+unfinished layer."""
 
 from __future__ import annotations
 
@@ -11,23 +13,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.console import training_bars
 from graphstore.layout import is_complete
 from graphstore.report import write_report
 from runner.lifecycle import LayerProgress, run_training
 from runner.plan import RunPlan, layer_state
-from runner.worker import log_path
-
-
-def forward_worker_log(plan: RunPlan, offset: int) -> None:
-    """Copy what rank 0 appended to its log file into this task's run log (every rank's own log
-    stays in ``runs/run=<fp>/logs/rank-<i>.log``; the metrics rank 0 logs are global ones)."""
-    path = log_path(plan.store_root, plan.run_fp, 0)
-    if path.is_file():
-        logger = get_run_logger()
-        with open(path) as handle:
-            handle.seek(offset)
-            for line in handle.read().splitlines():
-                logger.info("[rank 0] %s", line)
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -42,16 +32,13 @@ def train_task(plan: RunPlan) -> dict[str, object]:
     progress_id = create_progress_artifact(0.0, key=f"train-progress-{plan.run_fp}",
                                            description=f"layers finished of run {plan.run_fp}")
 
-    def on_layer(item: LayerProgress) -> None:
-        update_progress_artifact(progress_id, 100.0 * item.layer / plan.config.layers)
-        logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
+    with training_bars() as (show_layer, show_round):
+        def on_layer(item: LayerProgress) -> None:
+            update_progress_artifact(progress_id, 100.0 * item.layer / plan.config.layers)
+            logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
+            show_layer(item)
 
-    rank0 = log_path(plan.store_root, plan.run_fp, 0)
-    offset = rank0.stat().st_size if rank0.is_file() else 0
-    try:
-        summary, progress = run_training(plan, on_layer=on_layer)
-    finally:
-        forward_worker_log(plan, offset)
+        summary, progress = run_training(plan, on_layer=on_layer, on_round=show_round)
     assert summary is not None
     logger.info("run %s: test accuracy %.4f, %d bytes", plan.run_fp, summary.accuracy("test"), summary.total_bytes)
     return {"run": plan.run_fp, "layers": {p.layer: p.state for p in progress},

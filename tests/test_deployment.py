@@ -91,12 +91,12 @@ def test_prefect_deployment_run_trains_into_the_store(prefect_env: dict[str, str
         assert "Completed" in run.stdout, run.stdout
     finally:
         stop(worker)
-    manifests = list(store.glob("runs/run=*/manifest.json"))
-    assert len(manifests) == 1
-    manifest = json.loads(manifests[0].read_text())
+    manifests = {json.loads(path.read_text())["strategy"]: path for path in store.glob("runs/run=*/manifest.json")}
+    assert sorted(manifests) == ["retexo", "standard"]  # the preset compares with the standard baseline
+    manifest = json.loads(manifests["retexo"].read_text())
     assert manifest["status"] == "completed" and manifest["dataset_name"] == "cora"
     assert manifest["config"]["rounds"] == 3 and manifest["total_bytes"] > 0
-    assert (manifests[0].parent / "report" / "accuracy_vs_bytes.png").is_file()
+    assert (manifests["retexo"].parent / "report" / "accuracy_vs_bytes.png").is_file()
 
 
 def test_nightly_tables_deployment_retrains_only_when_the_export_changes(prefect_env: dict[str, str], tmp_path: Path) -> None:

@@ -148,3 +148,22 @@ def test_a_bad_config_fails_before_any_work_naming_the_key(tmp_path: Path, overr
     assert result.returncode == 2
     assert key in result.stderr
     assert not (store / "datasets").exists()
+
+
+def test_the_demo_preset_prints_under_60_lines_and_ends_with_retexo_vs_standard(tmp_path: Path) -> None:
+    """``retexo run configs/cora_gcn.yaml`` on an 80-column console: one bar per layer (and one for
+    the baseline's epochs), the stages, and last the comparison table and the plot; no rank logs."""
+    store = tmp_path / "store"
+    result = run_cli("run", REPO / "configs" / "cora_gcn.yaml", "--set", "train.rounds=20", "--set", "train.epochs=20",
+                     store=store, env={"COLUMNS": "80"}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+    assert len(lines) < 60, "\n".join(lines)
+    assert not any("rank" in line or "round" in line for line in lines), "\n".join(lines)
+    bars = [line.split()[0] + line.split()[1].strip("━") for line in result.stderr.splitlines()
+            if line.startswith(("layer", "epochs"))]
+    assert bars == ["layer1", "layer2", "epochs"], result.stderr
+    tail = result.stdout.splitlines()
+    assert tail[-1].startswith("plot:") and Path(tail[-1].split(maxsplit=1)[1]).is_file()
+    last_rows = tail[-4:-2]  # the table's two rows, then its bottom border, then the plot
+    assert "retexo" in last_rows[0] and "standard" in last_rows[1], "\n".join(tail)

@@ -195,3 +195,20 @@ def _refs(plan):
     from graphstore.lookup import PartitionRef, find_dataset
 
     return find_dataset(plan.store, plan.dataset_fp), PartitionRef.at(Path(plan.source_dir))
+
+
+def test_rank_0_reports_its_rounds_with_val_accuracy_and_the_bytes_of_all_ranks(tmp_path: Path,
+                                                                                 tiny_plan_factory) -> None:
+    """The launcher hears each layer's rounds from the ranks' progress files: rank 0's round and
+    val accuracy, bytes summed over ranks, the last round of every layer included."""
+    from runner.results import progress_path
+
+    plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=[3, 2], timeout_s=60))
+    seen = []
+    run_training(plan, IN_PROCESS, on_round=seen.append)
+    assert {(p.layer, p.total) for p in seen} == {(1, 3), (2, 2)}
+    assert [(p.layer, p.done) for p in seen if p.done == p.total] == [(1, 3), (2, 2)]
+    assert all(p.val_acc is not None and 0 <= p.val_acc <= 1 for p in seen)
+    assert [p.bytes_sent for p in seen] == sorted(p.bytes_sent for p in seen) and seen[-1].bytes_sent > 0
+    assert all(progress_path(plan.store_root, plan.run_fp, layer, rank).is_file() for layer in (1, 2)
+               for rank in range(plan.world))

@@ -27,6 +27,8 @@ class CommLog:
     rank: int
     rows: list[tuple[int, int, int, str, int, int, int, int]] = field(default_factory=list)
     next_op: int = 0
+    sent: int = 0  # bytes of all rows so far
+
 
     def new_op(self) -> int:
         op = self.next_op
@@ -37,9 +39,10 @@ class CommLog:
         if kind not in KINDS:
             raise ValueError(f"unknown traffic kind {kind!r}; expected one of {KINDS}")
         self.rows.append((op, layer, epoch, kind, self.rank, dst, int(nbytes), hops))
+        self.sent += int(nbytes)
 
     def total_bytes(self) -> int:
-        return sum(row[6] for row in self.rows)
+        return self.sent
 
     def to_table(self) -> pa.Table:
         columns = list(zip(*self.rows)) if self.rows else [[] for _ in COMM_SCHEMA]
