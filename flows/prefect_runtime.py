@@ -9,6 +9,8 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
   time>``). Before a new flow runs, flow runs of this host still ``RUNNING`` whose process is gone
   (killed with SIGKILL, or the machine lost power) are set to ``Crashed``. A run interrupted by
   SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
+- The temporary API server is a child process that Prefect stops when this process exits; a
+  ``runner.descendant_guard`` stops it (and any other descendant) when this process is killed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import psutil
 
 from graphstore.errors import RetexoError
+from runner.descendant_guard import start_guard
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
     import httpx
     from prefect import tags
 
+    start_guard()
     try:
         mark_orphaned_flow_runs()
         with tags(process_tag()):

@@ -270,3 +270,43 @@ def test_a_run_left_started_without_a_holder_is_marked_by_gc_and_by_the_next_run
     events = sorted((store.run_dir(plan.run_fp) / "events").glob("*.json"))
     names = [e.name.rsplit("-", 1)[1].removesuffix(".json") for e in events]
     assert names == ["started", "interrupted", "started", "completed"]
+
+
+def flow_run_states(env: dict[str, str]) -> dict[str, str]:
+    """Flow run name -> state name, read through the Prefect API of ``env`` (its PREFECT_HOME)."""
+    script = ("from prefect.client.orchestration import get_client\n"
+              "with get_client(sync_client=True) as client:\n"
+              "    print(*[f'{r.name} {r.state.name}' for r in client.read_flow_runs()], sep='\\n')\n")
+    listed = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", script], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert listed.returncode == 0, listed.stderr
+    return dict(line.split(" ", 1) for line in listed.stdout.splitlines() if line.strip())
+
+
+@pytest.mark.slow
+def test_sigkill_of_retexo_run_stops_everything_and_the_next_run_marks_its_flow_run_crashed(
+        store: Path, tmp_path: Path) -> None:
+    """Workers, Prefect's temporary API server and the guard are gone within 10 s; the flow run
+    left RUNNING is set to Crashed by the next ``retexo run`` on the same Prefect home."""
+    env = {**cli_env(), "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"dataset: {{name: cora, source: planetoid, path: {CORA_DIR}}}\n"
+                      f"partition: {{method: random, parts: {WORKERS}}}\n"
+                      "train: {hidden: 16, rounds: 100000, timeout_s: 60}\n")
+    proc = subprocess.Popen([*RETEXO, "run", str(preset), "--store", str(store)], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        family = wait_for_training(proc, store)
+        assert any("uvicorn" in " ".join(p.cmdline()) for p in family), [p.cmdline() for p in family]
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert_all_gone(family)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(flow_run_states(env).values()) == ["Running"]
+    again = run_cli("run", preset, "--set", "train.rounds=2", store=store, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "left RUNNING by a process that died: marked Crashed" in again.stderr
+    assert sorted(flow_run_states(env).values()) == ["Completed", "Crashed"]
