@@ -202,11 +202,14 @@ def store_ls_cmd(store: StoreOption = None) -> None:
 
 @store_app.command("gc")
 def store_gc_cmd(store: StoreOption = None) -> None:
-    """Remove temporary folders left behind by crashed writers (running writers are left alone)."""
+    """Remove temporary folders left behind by crashed writers (running writers are left alone), and
+    mark runs left 'started' by a launcher that is gone as 'interrupted'."""
     st = open_store(store)
-    removed = garbage_collect(st)
+    removed, marked = garbage_collect(st)
     print_table(f"removed {len(removed)} temporary item(s)", ["path", "size"],
                 [[str(p.relative_to(st.root)), human_bytes(b)] for p, b in removed])
+    for run in marked:
+        out.print(f"run {run}: its launcher is gone; marked interrupted", highlight=False)
 
 
 VERIFY_HELP = (
@@ -245,6 +248,7 @@ def store_verify_cmd(
         out.print("run `retexo store verify --repair` to remove the corrupt artefacts", highlight=False)
         raise typer.Exit(1)
     removals = remove_corrupt(st, corrupt)
+    refresh_catalog(st)
     print_table("repair", ["kind", "path", "outcome"],
                 [[r.check.kind, str(r.check.folder.relative_to(st.root)), r.note] for r in removals])
     left = [r for r in removals if not r.resolved]

@@ -60,10 +60,10 @@ def stale_temp_paths(store: Store) -> list[Path]:
     return stale
 
 
-def garbage_collect(store: Store) -> list[tuple[Path, int]]:
-    """Remove stale temp folders and files; returns (path, bytes freed) for each. Runs left
-    ``started`` by a launcher that is gone are marked ``interrupted`` first."""
-    mark_abandoned_runs(store)
+def garbage_collect(store: Store) -> tuple[list[tuple[Path, int]], list[str]]:
+    """Remove stale temp folders and files, after marking ``interrupted`` the runs left ``started``
+    by a launcher that is gone; returns (path, bytes freed) of each removal, and the marked runs."""
+    marked = mark_abandoned_runs(store)
     removed = []
     for path in stale_temp_paths(store):
         size = folder_bytes(path) if path.is_dir() else path.stat().st_size
@@ -72,7 +72,7 @@ def garbage_collect(store: Store) -> list[tuple[Path, int]]:
         else:
             path.unlink()
         removed.append((path, size))
-    return removed
+    return removed, marked
 
 
 @dataclass(frozen=True)

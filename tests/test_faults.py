@@ -259,6 +259,8 @@ def test_a_run_left_started_without_a_holder_is_marked_by_gc_and_by_the_next_run
         result = run_cli("store", "gc", store=gc_store.root)
         assert result.returncode == 0, result.stderr
         assert last_event(gc_store, "4567running")["event"] == "started"  # type: ignore[index]
+        assert "run 0123abandoned: its launcher is gone; marked interrupted" in result.stdout
+        assert "4567running" not in result.stdout
     last = last_event(gc_store, "0123abandoned")
     assert last is not None and (last["event"], last["detail"]) == ("interrupted", ABANDONED)
     # the next run of it: "interrupted" first, then its own events

@@ -394,6 +394,8 @@ def test_verify_repair_removes_exactly_the_corrupt_artefacts_and_training_rebuil
     assert list(store.root.rglob(".tmp-*")) == []
     clean = verify(store)
     assert clean.returncode == 0 and "0 corrupt" in flat(clean.stdout)
+    counted = run_cli("sql", "SELECT count(*) AS n FROM partitions", "--format", "csv", store=store.root)
+    assert counted.stdout.split() == ["n", "0"], counted.stderr  # the catalog no longer lists it
 
     dataset = find_dataset(store, "tiny")
     rebuilt = build_partition(store, dataset, OPTIONS)

@@ -75,9 +75,9 @@ def test_gc_leaves_a_running_writers_temp_folder_alone(tmp_path: Path):
     temp.mkdir()
     (temp / "nodes.parquet").write_bytes(b"partial")
     with writer_lock(store, target):  # a live writer holds the target's lock
-        assert garbage_collect(store) == []
+        assert garbage_collect(store) == ([], [])
         assert temp.exists()
-    removed = garbage_collect(store)
+    removed, _ = garbage_collect(store)
     assert removed == [(temp, len(b"partial"))]
     assert not temp.exists()
 
