@@ -22,6 +22,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from typing import IO
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,20 +41,27 @@ def _lock_path(store: Store, target: Path) -> Path:
     return store.lock_dir / f"{digest}.lock"
 
 
+def flock_within(handle: IO[str], seconds: float, poll_s: float = 0.05) -> bool:
+    """Take an exclusive ``flock`` on the open file ``handle``, trying for up to ``seconds``;
+    False when another process still holds it (shared or exclusive) by then."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
 @contextmanager
 def writer_lock(store: Store, target: Path, wait_seconds: float = 600.0) -> Iterator[None]:
     """Exclusive lock on one artefact path (flock on a file under ``.locks``), across processes."""
     path = _lock_path(store, target)
     with open(path, "a+") as handle:
-        deadline = time.monotonic() + wait_seconds
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"another writer holds the lock on {target} (waited {wait_seconds:.0f} s)")
-                time.sleep(0.1)
+        if not flock_within(handle, wait_seconds, poll_s=0.1):
+            raise StoreError(f"another writer holds the lock on {target} (waited {wait_seconds:.0f} s)")
         try:
             yield
         finally:
@@ -63,9 +71,7 @@ def writer_lock(store: Store, target: Path, wait_seconds: float = 600.0) -> Iter
 def lock_is_free(store: Store, target: Path) -> bool:
     """True when no process holds the writer lock of ``target`` right now."""
     with open(_lock_path(store, target), "a+") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not flock_within(handle, 0):
             return False
         fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
         return True

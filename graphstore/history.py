@@ -17,13 +17,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from graphstore.atomic import flock_within
 from graphstore.layout import TMP_PREFIX, Store
 from graphstore.manifests import utc_now
 
@@ -81,15 +81,8 @@ def mark_abandoned(store: Store, run: str, detail: str = ABANDONED, wait_s: floa
     process holds the run (``hold_run``); True when it did. ``wait_s``: keep trying this long (s)
     to take the run's lock, for a caller that knows its holder is dying right now."""
     with open(run_lock_path(store, run), "a+") as handle:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False  # somebody is training the run right now
-                time.sleep(0.05)
+        if not flock_within(handle, wait_s):
+            return False  # somebody is training the run right now
         try:
             last = last_event(store, run)
             if last is None or last["event"] != "started":

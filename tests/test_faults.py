@@ -92,6 +92,21 @@ def assert_all_gone(processes: list[psutil.Process]) -> None:
     assert not left, f"still running {GONE_S:g} s after the launcher died: {[p.cmdline() for p in left]}"
 
 
+def sigkill_once_training(proc: subprocess.Popen[str], store: Path) -> list[str]:
+    """SIGKILL ``proc`` once its workers train; assert that its whole process tree is gone within
+    ``GONE_S``; returns the command lines of that tree (taken before the kill)."""
+    try:
+        family = wait_for_training(proc, store)
+        commands = [" ".join(p.cmdline()) for p in family]
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert_all_gone(family)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return commands
+
+
 def the_run(store: Path) -> str:
     runs = [p.name.removeprefix("run=") for p in (store / "runs").glob("run=*")]
     assert len(runs) == 1, runs
@@ -115,14 +130,7 @@ def assert_nothing_committed(store: Path, run: str) -> None:
 @pytest.mark.slow
 def test_sigkill_of_the_launcher_stops_its_workers_and_marks_the_run_interrupted(store: Path) -> None:
     proc = start(train_command(store, "--rounds", 100000))
-    try:
-        family = wait_for_training(proc, store)
-        proc.kill()
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        assert_all_gone(family)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_once_training(proc, store)
     run = the_run(store)
     last = wait_for_last_event(store, run, "interrupted")
     assert last["detail"] == f"the launcher (pid {proc.pid}) died; workers stopped"
@@ -298,15 +306,8 @@ def test_sigkill_of_retexo_run_stops_everything_and_the_next_run_marks_its_flow_
                       "train: {hidden: 16, rounds: 100000, timeout_s: 60}\n")
     proc = subprocess.Popen([*RETEXO, "run", str(preset), "--store", str(store)], cwd=REPO, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        family = wait_for_training(proc, store)
-        assert any("uvicorn" in " ".join(p.cmdline()) for p in family), [p.cmdline() for p in family]
-        proc.kill()
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        assert_all_gone(family)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    family = sigkill_once_training(proc, store)
+    assert any("uvicorn" in command for command in family), family  # Prefect's temporary server
     assert list(flow_run_states(env).values()) == ["Running"]
     again = run_cli("run", preset, "--set", "train.rounds=2", store=store, env=env, timeout=600)
     assert again.returncode == 0, again.stderr
