@@ -313,3 +313,28 @@ def test_sigkill_of_retexo_run_stops_everything_and_the_next_run_marks_its_flow_
     assert again.returncode == 0, again.stderr
     assert "left RUNNING by a process that died: marked Crashed" in again.stderr
     assert sorted(flow_run_states(env).values()) == ["Completed", "Crashed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings,message", [
+    ({"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"},
+     "the temporary Prefect API server did not start within 1 s"),
+    ({"PREFECT_API_URL": "http://127.0.0.1:9/api", "PREFECT_CLIENT_MAX_RETRIES": "0"},
+     "cannot reach the Prefect API at http://127.0.0.1:9/api"),
+])
+def test_a_prefect_api_that_cannot_start_or_be_reached_is_one_line_and_nothing_is_left(
+        tmp_path: Path, settings: dict[str, str], message: str) -> None:
+    env = {**cli_env(), "PREFECT_HOME": str(tmp_path / "prefect-home"), **settings}
+    if "PREFECT_API_URL" not in settings:
+        env.pop("PREFECT_API_URL", None)
+    result = run_cli("run", REPO / "configs" / "cora_gcn.yaml", store=tmp_path / "store", env=env, timeout=180)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+    deadline = time.monotonic() + GONE_S  # the temporary server started for the first case is stopped
+    while (servers := [p for p in psutil.process_iter(["cmdline", "environ"])
+                       if "uvicorn" in " ".join(p.info["cmdline"] or [])
+                       and (p.info["environ"] or {}).get("PREFECT_HOME") == env["PREFECT_HOME"]]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not servers
