@@ -92,11 +92,11 @@ def assert_all_gone(processes: list[psutil.Process]) -> None:
     assert not left, f"still running {GONE_S:g} s after the launcher died: {[p.cmdline() for p in left]}"
 
 
-def sigkill_once_training(proc: subprocess.Popen[str], store: Path) -> list[str]:
-    """SIGKILL ``proc`` once its workers train; assert that its whole process tree is gone within
-    ``GONE_S``; returns the command lines of that tree (taken before the kill)."""
+def sigkill_once_training(proc: subprocess.Popen[str], store: Path, started: bool = True) -> list[str]:
+    """SIGKILL ``proc`` once its workers run (``started``: and train); assert that its whole process
+    tree is gone within ``GONE_S``; returns the command lines of that tree (taken before the kill)."""
     try:
-        family = wait_for_training(proc, store)
+        family = wait_for_training(proc, store, started)
         commands = [" ".join(p.cmdline()) for p in family]
         proc.kill()
         assert proc.wait(timeout=30) == -signal.SIGKILL
@@ -128,9 +128,11 @@ def assert_nothing_committed(store: Path, run: str) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_launcher_stops_its_workers_and_marks_the_run_interrupted(store: Path) -> None:
+@pytest.mark.parametrize("started", [False, True], ids=["start-up", "training"])
+def test_sigkill_of_the_launcher_stops_its_workers_and_marks_the_run_interrupted(store: Path, started: bool) -> None:
+    """Killed as soon as its workers are spawned (before the process group forms), or while they train."""
     proc = start(train_command(store, "--rounds", 100000))
-    sigkill_once_training(proc, store)
+    sigkill_once_training(proc, store, started)
     run = the_run(store)
     last = wait_for_last_event(store, run, "interrupted")
     assert last["detail"] == f"the launcher (pid {proc.pid}) died; workers stopped"
