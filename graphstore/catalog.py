@@ -38,10 +38,12 @@ import duckdb
 from graphstore.atomic import fsync_file, temp_sibling, writer_lock
 from graphstore.errors import RetexoError, StoreError
 from graphstore.layout import Store
+from graphstore.limits import available_memory
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+MIN_QUERY_MEMORY = 256 * 2**20  # bytes: the smallest memory limit of a query
 REPAIR_HINT = "run `retexo store verify --repair`"
 
 
@@ -319,16 +321,24 @@ def create_views(con: duckdb.DuckDBPyConnection, store: Store, names: Iterable[s
     return problems
 
 
+def query_memory_limit() -> int:
+    """Bytes a query may hold: half the memory available now (at least ``MIN_QUERY_MEMORY``)."""
+    return max(MIN_QUERY_MEMORY, available_memory() // 2)
+
+
 def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     """Let ``con`` read files under ``root`` and nothing else, then lock its configuration.
 
     DuckDB checks every file path against ``allowed_directories`` (after folding ``..`` as text and
     resolving symbolic links: see ``refuse_links_out``) and refuses other paths, and every URL (no
     network), once external access is off; ``allowed_directories`` can only be set before that.
-    No temp directory (DuckDB would allow reading it too; queries cannot spill to disk), no Python
-    replacement scans (DataFrames of the caller by name), no extension install or load.
+    No temp directory (DuckDB would allow reading it too; queries cannot spill to disk), so a query
+    is held to ``query_memory_limit``; no Python replacement scans (DataFrames of the caller by
+    name), no extension install or load, no progress bar on the console.
     """
     for setting in (
+        f"SET memory_limit = '{query_memory_limit() // 2**20}MiB'",
+        "SET enable_progress_bar = false",
         "SET temp_directory = ''",
         "SET python_enable_replacements = false",
         f"SET allowed_directories = [{_sql_string(str(root) + os.sep)}]",
@@ -490,6 +500,9 @@ def _explain(exc: duckdb.Error, store: Store, timed_out: bool, timeout: float) -
             return QueryTimeout(f"the query was stopped at its time limit of {timeout:g} s; "
                                 f"raise it with `retexo sql --timeout SECONDS`")
         return QueryTimeout("the query was interrupted")
+    if isinstance(exc, duckdb.OutOfMemoryException):
+        return RetexoError(f"the query needs more memory than `retexo sql` allows (half the available memory, "
+                           f"{query_memory_limit() / 2**30:.1f} GB now): select fewer rows or columns, or aggregate")
     if isinstance(exc, duckdb.PermissionException):
         path = re.search(r'Cannot access file "(.*)" - ', message)
         what = repr(path.group(1)) if path else _reason(exc)

@@ -169,6 +169,20 @@ def test_a_query_within_the_limit_is_unaffected(store_with_dataset: Path):
     assert query(store, "SELECT count(*) FROM edges", timeout=30)[1][0][0] > 0  # nothing left behind
 
 
+def test_a_query_is_held_to_half_the_available_memory(store_with_dataset: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No temp directory, so nothing spills: past the limit the query fails with one line."""
+    import graphstore.catalog as catalog
+
+    monkeypatch.setattr(catalog, "available_memory", lambda: 600 * 2**20)
+    store = Store.open(store_with_dataset)
+    assert query(store, "SELECT current_setting('memory_limit')")[1] == [("300.0 MiB",)]
+    with pytest.raises(RetexoError, match=r"the query needs more memory than `retexo sql` allows "
+                                          r"\(half the available memory, 0.3 GB now\)"):
+        query(store, "SELECT max(length(l)) FROM (SELECT list(range) AS l FROM range(200000000) GROUP BY range % 3)")
+    assert query(store, "SELECT count(*) FROM nodes")[1] == [(60,)]
+
+
 # --------------------------------------------------------------------------- damaged files
 
 
