@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from flows.console import err, human_bytes, out, print_table, progress_bars
-from graphstore.catalog import DEFAULT_TIMEOUT_S, query, refresh_catalog
+from graphstore.catalog import refresh_catalog
+from graphstore.sql_query import DEFAULT_TIMEOUT_S, query
 from graphstore.errors import RetexoError, describe_validation_error
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from graphstore.errors import RetexoError
-from graphstore.limits import WORKER_BASE
+from graphstore.limits import WORKER_BASE, available_memory
 from runner.worker import WorkerJob, core_logs_to_files, error_file, marker, process_main, thread_main
 
 GRACE_SECONDS = 5.0
@@ -91,13 +91,6 @@ def node_ranks(world: int, nnodes: int, node_rank: int) -> list[int]:
     if nnodes > world:
         raise RetexoError(f"{nnodes} nodes for {world} partitions: every node needs at least one partition")
     return list(range(world * node_rank // nnodes, world * (node_rank + 1) // nnodes))
-
-
-def available_memory() -> int:
-    """Bytes of memory available to new processes now (``MemAvailable``)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def worker_ceiling() -> tuple[int, str]:

@@ -25,7 +25,7 @@ from conftest import (
     write_tables,
 )
 from flows.cli import app
-from graphstore.catalog import query
+from graphstore.sql_query import query
 from graphstore.errors import InputError
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.splits import SplitFractions

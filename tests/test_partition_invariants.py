@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import GRAPH_METHODS, PartitionedGraph, dataset_features, dense_features
-from graphstore.catalog import query
+from graphstore.sql_query import query
 from graphstore.layout import Store
 from graphstore.lookup import PartitionRef
 from graphstore.partition.build import build_partition

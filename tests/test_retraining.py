@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_table_version
 from flows.params import PipelineParams
-from graphstore.catalog import query
+from graphstore.sql_query import query
 from graphstore.layout import Store
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]

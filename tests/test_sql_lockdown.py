@@ -1,7 +1,7 @@
 """`retexo sql` reads the store and nothing else, under a time limit; a damaged file breaks only the
 queries that read it; queries and writers never wait for or fail each other (catalog.duckdb).
 
-Refusals run in-process through ``graphstore.catalog.query`` (the function the command calls);
+Refusals run in-process through ``graphstore.sql_query.query`` (the function the command calls);
 one of each kind also runs through the real CLI in a subprocess for its exit code and its single
 line on stderr.
 """
@@ -19,7 +19,8 @@ import pytest
 
 from conftest import REPO, cli_env, flat, run_cli, write_tables
 from graphstore.atomic import writer_lock
-from graphstore.catalog import VIEW_NAMES, OutsideStore, QueryTimeout, lock_down, query, refresh_catalog
+from graphstore.catalog import VIEW_NAMES, lock_down, refresh_catalog
+from graphstore.sql_query import OutsideStore, QueryTimeout, query
 from graphstore.errors import RetexoError, StoreError
 from graphstore.history import record_run_event
 from graphstore.layout import Store

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import flat, ingest_table_files, run_cli, write_table_version
-from graphstore.catalog import query
+from graphstore.sql_query import query
 from graphstore.errors import StoreError
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, PartitionRef, find_partition, partition_fingerprint, resolve_stable_from

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from conftest import REPO, RETEXO, cli_env, flat, run_cli, snapshot, table_rows
 from graphstore.atomic import atomic_artefact, temp_sibling, writer_lock
-from graphstore.catalog import ReadOnlyViolation, check_read_only, query
+from graphstore.sql_query import ReadOnlyViolation, check_read_only, query
 from graphstore.errors import RetexoError
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
 from graphstore.manifests import Manifest
