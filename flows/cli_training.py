@@ -11,6 +11,7 @@ processes on this machine than its ceiling (``runner.launch.worker_ceiling``).""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from types import FrameType
@@ -122,12 +123,14 @@ def worker_cmd(
     nnodes: Annotated[int, typer.Option(help="Number of machines taking part (torchrun --nnodes).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This machine's index, 0..nnodes-1 (node 0 builds the partition and finalises).")] = 0,
     master_addr: Annotated[str, typer.Option(help="Address of the rank-0 machine; 127.0.0.1 binds to loopback only.")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option(help="Free TCP port on the master, the same on every node.")] = 29500,
+    master_port: Annotated[int, typer.Option(help="Free TCP port on the master for the ranks' process group, the same on every node (under torchrun: not its rendezvous port).")] = 29500,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.rounds=50.")] = None,
     store: StoreOption = None,
 ) -> None:
     """Run this machine's share of the partition workers of one training run (all pending layers
-    in one process group). Every machine sees the same store (e.g. a shared file system)."""
+    in one process group). Every machine sees the same store (e.g. a shared file system). Under
+    torchrun (--nproc-per-node 1) the node rank, node count and master come from torchrun, and
+    a failed attempt restarted by it (--max-restarts) resumes at the first unfinished layer."""
     from flows.params import load_params
     from runner.launch import node_ranks
     from runner.lifecycle import LaunchOptions, run_training, training_sources
@@ -137,7 +140,9 @@ def worker_cmd(
     started = time.perf_counter()
     st = open_store(store)
     params = load_params(config, set_)
-    launch = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    launch = LaunchOptions.from_torchrun(os.environ, master_port) or LaunchOptions(
+        nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    nnodes, node_rank = launch.nnodes, launch.node_rank
     check_local_workers(params.partition.parts, params.train.strategy, nnodes, node_rank)  # type: ignore[union-attr]
     dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]
                                           launch, params.train.timeout_s, force=params.train.force)

@@ -41,13 +41,13 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Protocol
 
 from graphstore.errors import RetexoError
 from graphstore.limits import WORKER_BASE, available_memory
-from runner.worker import WorkerJob, core_logs_to_files, error_file, marker, process_main, thread_main
+from runner.worker import (WorkerJob, connect_rendezvous, core_logs_to_files, error_file, marker, process_main,
+                           thread_main)
 
 GRACE_SECONDS = 5.0
 HANG_CHECK_S = 1.0  # seconds between two looks at the workers' heartbeats and CPU time
@@ -268,11 +268,8 @@ def lean_main() -> Iterator[None]:
 def rendezvous_store(job: WorkerJob):  # -> torch.distributed.TCPStore
     """The key-value store the process group forms through, hosted by node 0's launcher for tolerant
     strategies (so it outlives any worker and can publish the survivors when one is lost)."""
-    import torch.distributed as dist
-
     try:
-        return dist.TCPStore(job.master_addr, job.master_port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=job.config.timeout_s))
+        return connect_rendezvous(job, host=True, wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise WorkerFailed(-1, f"cannot host the rendezvous on {job.master_addr}:{job.master_port}: "
                                f"address already in use or unavailable ({exc})") from exc

@@ -24,7 +24,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +64,22 @@ class LaunchOptions:
     launcher: Launcher = "processes"
     audit_dir: str | None = None  # record the files each rank opens (residency audit)
     attempts: int = 2
+
+    @classmethod
+    def from_torchrun(cls, env: Mapping[str, str], master_port: int) -> "LaunchOptions | None":
+        """This node's launch when torchrun started this process (``TORCHELASTIC_RUN_ID`` is set),
+        else None. torchrun runs one ``retexo worker`` per node (``--nproc-per-node 1``), which
+        starts the node's ranks itself: node rank ``GROUP_RANK`` of ``GROUP_WORLD_SIZE``; the ranks'
+        process group forms at ``MASTER_ADDR:master_port``, hosted by rank 0 and so new in every
+        attempt (torchrun's own store outlives attempts, and its restart count is counted per
+        node, so keys there could be read from an earlier attempt)."""
+        if "TORCHELASTIC_RUN_ID" not in env:
+            return None
+        if env.get("LOCAL_WORLD_SIZE", "1") != "1":
+            raise RetexoError(f"torchrun started {env['LOCAL_WORLD_SIZE']} processes on this node: run it with "
+                              "--nproc-per-node 1 (each node's `retexo worker` starts that node's ranks itself)")
+        return cls(nnodes=int(env["GROUP_WORLD_SIZE"]), node_rank=int(env["GROUP_RANK"]),
+                   master_addr=env["MASTER_ADDR"], master_port=master_port, attempts=1)
 
 
 @dataclass

@@ -178,15 +178,21 @@ def start_heartbeat(job: WorkerJob, rank: int) -> None:
     threading.Thread(target=beat, name="retexo-heartbeat", daemon=True).start()
 
 
+def connect_rendezvous(job: WorkerJob, host: bool, **options: object):  # -> torch.distributed.TCPStore
+    """The launch's key-value store at ``master_addr:master_port``, hosted by this process when ``host``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(job.master_addr, job.master_port, is_master=host, timeout=job.timeout, **options)
+
+
 def join_process_group(job: WorkerJob, rank: int):  # -> torch.distributed.TCPStore
     """Connect to the rendezvous and form the gloo process group; ``RendezvousTimeout`` when the
     other ranks did not all arrive within the configured timeout."""
     import torch.distributed as dist
 
     marker(job, rank, "joining").touch()
-    hosts = rank == 0 and not job.launcher_hosts_rendezvous
     try:
-        rendezvous = dist.TCPStore(job.master_addr, job.master_port, is_master=hosts, timeout=job.timeout)
+        rendezvous = connect_rendezvous(job, host=rank == 0 and not job.launcher_hosts_rendezvous)
         dist.init_process_group("gloo", store=dist.PrefixStore("gen0", rendezvous), rank=rank,
                                 world_size=job.world, timeout=job.timeout)
     except RuntimeError as exc:
