@@ -10,6 +10,7 @@ processes on this machine than its ceiling (``runner.launch.worker_ceiling``).""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -125,6 +126,7 @@ def worker_cmd(
     master_addr: Annotated[str, typer.Option(help="Address of the rank-0 machine; 127.0.0.1 binds to loopback only.")] = "127.0.0.1",
     master_port: Annotated[int, typer.Option(help="Free TCP port on the master for the ranks' process group, the same on every node (under torchrun: not its rendezvous port).")] = 29500,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key, e.g. --set train.rounds=50.")] = None,
+    audit_dir: Annotated[Optional[Path], typer.Option(help="Write the store files each rank opens to <dir>/rank-<r>.txt (residency audit).")] = None,
     store: StoreOption = None,
 ) -> None:
     """Run this machine's share of the partition workers of one training run (all pending layers
@@ -142,6 +144,9 @@ def worker_cmd(
     params = load_params(config, set_)
     launch = LaunchOptions.from_torchrun(os.environ, master_port) or LaunchOptions(
         nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    if audit_dir is not None:
+        audit_dir.mkdir(parents=True, exist_ok=True)
+        launch = dataclasses.replace(launch, audit_dir=str(audit_dir))
     nnodes, node_rank = launch.nnodes, launch.node_rank
     check_local_workers(params.partition.parts, params.train.strategy, nnodes, node_rank)  # type: ignore[union-attr]
     dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]

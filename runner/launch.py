@@ -124,8 +124,9 @@ def check_worker_processes(count: int) -> None:
 
 
 def default_threads(local_ranks: int) -> int:
-    """Torch threads per worker so that the workers of one node share its cores."""
-    return max(1, (os.cpu_count() or 1) // max(local_ranks, 1))
+    """Torch threads per worker so that the workers of one node share the CPUs this launcher may
+    run on (its affinity: a cpuset, ``taskset``, or several emulated nodes pinned apart)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1))
 
 
 def _last_line(path: Path) -> str:

@@ -59,6 +59,7 @@ def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iter
     bridge = f"rbr{tag}"
     third = os.getpid() % 250
     made: list[Site] = []
+    host_ends: list[str] = []
     try:
         _run("ip", "link", "add", bridge, "type", "bridge")
         _run("ip", "link", "set", bridge, "up")
@@ -68,6 +69,7 @@ def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iter
             _run("ip", "netns", "add", site.name)
             made.append(site)
             _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", site_end)
+            host_ends.append(host_end)
             _run("ip", "link", "set", host_end, "master", bridge)
             _run("ip", "link", "set", host_end, "up")
             _run("ip", "link", "set", site_end, "netns", site.name)
@@ -79,7 +81,9 @@ def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iter
                 _run(*site.command("tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
                                    f"{bandwidth_mbit:g}mbit", "burst", TBF_BURST, "latency", TBF_LATENCY))
         yield made
-    finally:
-        for site in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+    finally:  # pairs first: deleting a namespace removes its interfaces only later, in the background
+        for name in host_ends:
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
+        for site in made:
             subprocess.run(["ip", "netns", "del", site.name], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
