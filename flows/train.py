@@ -28,9 +28,9 @@ def plan_for(params: RunParams) -> RunPlan:
     return plan_run(store, dataset, partition, params.train, params.network)
 
 
-def train(params: RunParams) -> dict[str, object]:
-    """The train task with the retries of ``params``."""
-    return train_task.with_options(retries=params.retries, retry_delay_seconds=params.retry_delay_s)(plan_for(params))
+def train(params: RunParams, plan: RunPlan) -> dict[str, object]:
+    """The train task of ``plan`` with the retries of ``params``."""
+    return train_task.with_options(retries=params.retries, retry_delay_seconds=params.retry_delay_s)(plan)
 
 
 def train_and_report(params: RunParams, baselines: Sequence[RunParams] = ()) -> dict[str, object]:
@@ -38,12 +38,12 @@ def train_and_report(params: RunParams, baselines: Sequence[RunParams] = ()) -> 
     accuracy-vs-bytes plot therefore shows the run next to its baselines. Returns the run's
     summary with every stage's status and ``compared``: the baselines' run fingerprints."""
     plan = plan_for(params)
-    trained = train(params)
+    trained = train(params, plan)
     stages = {f"layer {layer}": state for layer, state in trained["layers"].items()}  # type: ignore[union-attr]
     stages["evaluate"] = trained["evaluate"]  # type: ignore[assignment]
     compared = []
     for baseline in baselines:
-        result = train(baseline)
+        result = train(baseline, plan_for(baseline))
         fresh = any(state != "cached" for state in result["layers"].values())  # type: ignore[union-attr]
         stages[f"compare {baseline.train.strategy}"] = "trained" if fresh else "cached"
         compared.append(str(result["run"]))

@@ -25,6 +25,7 @@ NAME_RULE = "1 to 100 characters: letters, digits, - _ . (starting with a letter
 DEFAULT_STORE = "retexo-store"
 STORE_ENV = "RETEXO_STORE"
 MANIFEST = "manifest.json"
+DATASET_FILES = ("nodes.parquet", "edges.parquet", "features.parquet")  # of every dataset folder
 TMP_PREFIX = ".tmp-"
 
 

@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 
 from graphstore.integrity import verify_files
+from graphstore.layout import DATASET_FILES
 from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import feature_columns, features_of, read_table
 from retexo_core.sparse import SparseMatrix
@@ -138,7 +139,7 @@ def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.
 def load_whole_graph(dataset_dir: Path) -> PartData:
     """The whole dataset as a single partition (for centralized training): no halo. Its three files
     are hashed against the dataset manifest first."""
-    manifest = verify_files(dataset_dir, ["nodes.parquet", "features.parquet", "edges.parquet"], DatasetManifest)
+    manifest = verify_files(dataset_dir, DATASET_FILES, DatasetManifest)
     nodes = read_table(dataset_dir / "nodes.parquet", columns=["node_id", "label", "split"])
     features = read_table(dataset_dir / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset_dir / "edges.parquet")

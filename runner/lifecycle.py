@@ -134,8 +134,8 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
     Once it holds the locks, a single-node launch looks at the layers again: the leading layers
     that another run committed while this one waited are reported ``cached`` and not trained (if
     that is all of them, nothing is launched). ``on_layer`` hears of each layer as soon as it is
-    committed, ``on_round`` of rank 0's rounds (read from the ranks' progress files). A port clash ("address already in use") is retried on a fresh port when the port
-    was chosen here.
+    committed, ``on_round`` of rank 0's rounds (read from the ranks' progress files). A port clash
+    ("address already in use") is retried on a fresh port when the port was chosen here.
     """
     store, host = plan.store, launch.node_rank == 0
     ranks = node_ranks(plan.world, launch.nnodes, launch.node_rank)

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from graphstore.atomic import atomic_artefact
 from graphstore.errors import InputError, StoreError
 from graphstore.integrity import verify_files
-from graphstore.layout import Store
+from graphstore.layout import DATASET_FILES, Store
 from graphstore.limits import check_memory, partition_estimate
 from graphstore.lookup import (
     PARTITION_FORMAT,
@@ -73,9 +73,6 @@ def to_positions(node_id: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if len(node_id) and node_id[0] == 0 and node_id[-1] == len(node_id) - 1:
         return ids
     return np.searchsorted(node_id, ids)
-
-
-DATASET_FILES = ("nodes.parquet", "edges.parquet", "features.parquet")
 
 
 def load_graph_arrays(dataset: DatasetRef) -> GraphArrays:

@@ -29,7 +29,6 @@ class CommLog:
     next_op: int = 0
     sent: int = 0  # bytes of all rows so far
 
-
     def new_op(self) -> int:
         op = self.next_op
         self.next_op += 1
