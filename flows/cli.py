@@ -124,6 +124,7 @@ def ingest_tables_cmd(
     dst_column: Annotated[str, typer.Option(help="Edge target column.")] = "dst",
     undirected: Annotated[bool, typer.Option(help="Add the reverse of every edge.")] = False,
     num_classes: Annotated[Optional[int], typer.Option(help="Number of classes (default: largest label + 1).")] = None,
+    remote_sources: Annotated[bool, typer.Option(help="A site's own tables: edge sources may be node ids other sites hold (not in the nodes table); every edge must end at one of this site's nodes.")] = False,
     feature_format: FeatureFormatOption = "auto",
     train_frac: TrainFrac = 0.6,
     val_frac: ValFrac = 0.2,
@@ -134,7 +135,7 @@ def ingest_tables_cmd(
     """Ingest your own graph from edge / node / feature tables (see the README for the format)."""
     st = open_store(store)
     options = TableOptions(src_column=src_column, dst_column=dst_column, undirected=undirected, num_classes=num_classes,
-                           feature_format=feature_format)
+                           feature_format=feature_format, remote_sources=remote_sources)
     fractions = SplitFractions(train=train_frac, val=val_frac, seed=split_seed)
     show_dataset(ingest_tables(st, name, edges, nodes, features, options, fractions, force))
     refresh_catalog(st)

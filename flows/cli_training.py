@@ -162,6 +162,43 @@ def worker_cmd(
     show_run(summary, progress, time.perf_counter() - started)
 
 
+def site_train_cmd(
+    dataset: Annotated[str, typer.Argument(help="This site's dataset (ingested with --remote-sources), name or fingerprint.")],
+    rank: Annotated[int, typer.Option(help="This site's rank, 0..world-1, fixed for the run (site 0 coordinates).")],
+    world: Annotated[int, typer.Option(help="Number of sites training together.")],
+    master_addr: Annotated[str, typer.Option(help="Address of site 0, where the sites' process group forms.")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(help="Free TCP port on site 0 for the process group (the same at every site).")] = 29500,
+    audit_dir: Annotated[Optional[Path], typer.Option(help="Write the store files this site's rank opens to <dir>/rank-<r>.txt (residency audit).")] = None,
+    store: StoreOption = None,
+    **options: Any,
+) -> None:
+    """Train together with other sites, each holding its own store: this site's nodes and the edges
+    into them (remote sources by id). Every site runs this command with the same training
+    options; only the strategy's counted rows, node ids (discovery) and the coordinator's model,
+    metrics and byte totals leave a site."""
+    from graphstore.lookup import find_dataset
+    from graphstore.partition.site import build_site_partition
+    from runner.lifecycle import LaunchOptions, run_training
+    from runner.plan import plan_site_run
+
+    stop_on_sigterm()
+    started = time.perf_counter()
+    st = open_store(store)
+    config = collect(TRAIN, options)
+    ref = find_dataset(st, dataset)
+    plan = plan_site_run(st, ref, build_site_partition(st, ref), config, collect(NETWORK, options), rank, world)  # type: ignore[arg-type]
+    launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port, site=True,
+                           audit_dir=str(audit_dir) if audit_dir is not None else None, attempts=1)
+    if audit_dir is not None:
+        audit_dir.mkdir(parents=True, exist_ok=True)
+    err.print(f"site {rank} of {world}: run {plan.run_fp} in {st.root}")
+    with training_bars() as (on_layer, on_round):
+        summary, progress = run_training(plan, launch, on_layer, on_round if rank == 0 else None)
+    show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
+    if summary is not None and summary.bytes_by_site:  # type: ignore[union-attr]
+        print_table("bytes sent per site", ["site", "bytes"], sorted(summary.bytes_by_site.items()))  # type: ignore[union-attr]
+
+
 def run_cmd(
     config: Annotated[Path, typer.Argument(help="YAML preset (see configs/): dataset, partition, train, network.")],
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a key, e.g. --set train.rounds=50 (repeatable).")] = None,
@@ -204,3 +241,6 @@ def register_training_commands(app: typer.Typer) -> None:
     app.command("train")(with_options(TRAIN, PARTITION, NETWORK)(train_cmd))
     app.command("worker")(worker_cmd)
     app.command("run")(run_cmd)
+    site_app = typer.Typer(help="Train with other sites, each keeping its own store.", no_args_is_help=True)
+    site_app.command("train")(with_options(TRAIN, NETWORK)(site_train_cmd))
+    app.add_typer(site_app, name="site")

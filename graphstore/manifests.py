@@ -71,6 +71,7 @@ class DatasetManifest(Manifest):
     symmetric: bool = False
     self_loops: int = 0
     duplicates_removed: int = 0
+    remote_nodes: int = 0  # a site's dataset: distinct edge sources held by other sites
     feature_format: Literal["dense", "sparse"] = "dense"
     features_nonnegative: bool = False  # no negative value (counts, TF-IDF): rows may be normalised
 
@@ -166,6 +167,8 @@ class RunManifest(Manifest):
     layers: list[LayerRef]
     code_version: str
     status: str = "completed"
+    site: int | None = None  # a run of sites: this site's rank (0 coordinates; world = parts)
+    bytes_by_site: dict[str, int] = {}  # the coordinator of a run of sites: every site's bytes sent
 
     def accuracy(self, split: str) -> float:
         return next(float(r["accuracy"]) for r in self.evaluation if r["split"] == split)

@@ -4,6 +4,9 @@ to every rank (``runner.results.RunFolder`` stores them in the store's run folde
 Each rank writes its own rows of a layer (embeddings per view, its communication log); once every
 rank has written (an uncounted barrier), rank 0 commits the layer with the model, the training
 curves, the evaluation and a summary. A rank reads back only its own rows of earlier layers.
+In a run of sites, each with its own store (``every_rank_commits``), every rank commits its own
+layer folder; rank 0's (the coordinator's) also holds the model, curves, evaluation and every
+site's byte totals (``gather_traffic``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class LayerSummary:
 
 
 class ResultSink(Protocol):
+    every_rank_commits: bool  # a run of sites: each rank commits the layer in its own store
+
     def previous_outputs(self, layer: int, part: int, node_id: np.ndarray) -> dict[str, np.ndarray]:
         """This part's rows of layer ``layer``'s outputs per view (``full``; ``train``/``val`` when
         stored), (n, d) float32 each, in ``node_id`` order."""
@@ -51,7 +56,12 @@ class ResultSink(Protocol):
         model of an end-to-end strategy), the last global validation accuracy and the bytes this
         rank has sent so far. Called at every validation point; for display only."""
 
-    def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
+    def gather_traffic(self, comm: Any) -> None:
+        """Before the last layer's parts are written: in a run of sites, every site's byte totals
+        reach the coordinator (collective: every rank calls it); nothing otherwise."""
+
+    def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor] | None, history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:
         """Rank 0, after every rank wrote its part: model parameters, curves, evaluation; the layer
-        becomes visible to readers at once and completely."""
+        becomes visible to readers at once and completely. In a run of sites every other rank
+        commits its own layer too, with ``state``, ``history`` and ``evaluation`` None."""

@@ -105,15 +105,18 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         started = time.perf_counter()
         result = train_layer(ctx, layer, own, sink.initial_state(layer))
         evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
+        if layer == cfg.layers:
+            sink.gather_traffic(ctx.comm)
         rows, log_start = new_log_rows(ctx, log_start)
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
         if layer == cfg.layers:
             write_predictions(ctx, result.outputs["full"], sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
+        summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started)
         if ctx.comm.rank == 0:
-            summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds,
-                                   time.perf_counter() - started)
             sink.commit_layer(summary, result.module.state_dict(), history_table(ctx, layer), evaluation)
+        elif sink.every_rank_commits:
+            sink.commit_layer(summary, None, None, None)
         log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far",
                  layer, result.best_round, result.best_val, ctx.comm.log.total_bytes())
         own = result.outputs  # type: ignore[assignment]
@@ -138,6 +141,7 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     started = time.perf_counter()
     ctx, result = train_whole_model(ctx, sink, load_refresh)
     evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
+    sink.gather_traffic(ctx.comm)
     rows, _ = new_log_rows(ctx, 0)
     for layer in layers:
         outputs = {v: per_layer[layer - 1] for v, per_layer in result.outputs.items()}
@@ -145,12 +149,13 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
                         rows if layer == layers[-1] else rows.slice(0, 0))  # type: ignore[arg-type]
     write_predictions(ctx, result.outputs["full"][-1], sink)
     ctx.comm.barrier_uncounted()
-    if ctx.comm.rank != 0:
+    coordinator = ctx.comm.rank == 0
+    if not coordinator and not sink.every_rank_commits:
         return
     seconds = time.perf_counter() - started
     dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
     for layer in layers:
-        last = layer == layers[-1]
+        last = layer == layers[-1] and coordinator
         summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped)
-        sink.commit_layer(summary, result.blocks[layer - 1].state_dict(),
+        sink.commit_layer(summary, result.blocks[layer - 1].state_dict() if coordinator else None,
                           history_table(ctx, None) if last else None, evaluation if last else None)

@@ -1,8 +1,14 @@
 """Finalising a run: collect its layers' byte logs, curves and evaluation into the run folder and
-write the run manifest last."""
+write the run manifest last.
+
+A site's run holds this site's rows only. Its coordinator (site 0) also has the evaluation and
+``traffic.json`` (every site's bytes, ``retexo_core.sites.gather_traffic``), so its manifest's
+totals and simulated time are those of the whole run; another site's manifest counts what it sent
+and has no evaluation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +22,7 @@ from graphstore.integrity import folder_digests
 from graphstore.parquet_io import COMPRESSION, read_table
 from retexo_core.comm.network import bytes_by_kind, simulated_seconds, total_bytes
 from runner.plan import CODE_VERSION, RunPlan, run_label
+from runner.results import TRAFFIC
 
 
 def read_concat(paths: list[Path]) -> pa.Table:
@@ -38,19 +45,26 @@ def finalize_run(plan: RunPlan) -> RunManifest:
         raise StoreError(f"run {plan.run_fp} cannot be finalised: missing {', '.join(missing)}")
     comm = read_concat(sorted(p for d in layer_dirs for p in d.glob("part=*/comm.parquet")))
     metrics = read_concat([d / "metrics.parquet" for d in layer_dirs if (d / "metrics.parquet").is_file()])
-    evaluation = read_table(layer_dirs[-1] / "evaluation.parquet")
+    last = layer_dirs[-1]
+    evaluation = read_table(last / "evaluation.parquet") if plan.site in (None, 0) else pa.table({})
     layers = [read_manifest(d, LayerManifest) for d in layer_dirs]
     rows = evaluation.to_pylist()
     accuracy = {r["split"]: r["accuracy"] for r in rows}
+    by_kind, total, simulated, by_site = bytes_by_kind(comm), total_bytes(comm), simulated_seconds(comm, plan.network)[0], {}
+    if plan.site == 0:
+        traffic = json.loads((last / TRAFFIC).read_text())
+        by_kind, simulated = traffic["bytes_by_kind"], traffic["sim_comm_s"]
+        by_site = {str(k): v for k, v in traffic["bytes_by_site"].items()}
+        total = sum(by_kind.values())
     manifest = RunManifest(
         fp=plan.run_fp, dataset=plan.dataset_fp, dataset_name=plan.dataset_name, partition=plan.partition_fp,
         method=plan.partition_method, parts=plan.world, strategy=cfg.strategy, model=cfg.model,
         setting=cfg.setting, label=run_label(cfg), config=cfg.run_payload(), network=plan.network.model_dump(),
         test_acc=accuracy.get("test"), val_acc=accuracy.get("val"), train_acc=accuracy.get("train"),
-        evaluation=rows, total_bytes=total_bytes(comm), bytes_by_kind=bytes_by_kind(comm),
-        sim_comm_s=round(simulated_seconds(comm, plan.network)[0], 6), wall_s=round(sum(m.seconds for m in layers), 3),
+        evaluation=rows, total_bytes=total, bytes_by_kind=by_kind,
+        sim_comm_s=round(simulated, 6), wall_s=round(sum(m.seconds for m in layers), 3),
         layers=[LayerRef(layer=m.layer, fp=m.fp, reused_from=m.reused_from) for m in layers],
-        code_version=CODE_VERSION,
+        code_version=CODE_VERSION, site=plan.site, bytes_by_site=by_site,
     )
     with writer_lock(store, run_dir):
         for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):

@@ -8,7 +8,7 @@ fingerprint covers the whole configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +39,7 @@ class RunPlan:
     config: TrainConfig
     network: NetworkModel
     layer_fps: dict[int, str] = field(default_factory=dict)
+    site: int | None = None  # a site's run: this site's rank (world = the number of sites)
 
     @property
     def store(self) -> Store:
@@ -96,6 +97,25 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
         whole_graph=whole, world=1 if whole else partition.parts,  # type: ignore[union-attr]
         config=config, network=network, layer_fps=layer_fps,
     )
+
+
+SITE_STRATEGIES = ("retexo", "standard")
+
+
+def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, config: TrainConfig,
+                  network: NetworkModel, site: int, sites: int) -> RunPlan:
+    """The run of site ``site`` of ``sites``, over its site partition: fingerprinted as
+    ``plan_run`` does, plus the site's rank and the number of sites (each site keeps its own run
+    folder; they are not shared)."""
+    if config.strategy not in SITE_STRATEGIES or config.tolerate_failures or config.warm_start:
+        raise RetexoError(f"sites train the strategies {', '.join(SITE_STRATEGIES)} (without warm start or "
+                          f"tolerated failures); {config.strategy} needs a central partition")
+    if not 0 <= site < sites:
+        raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
+    plan = plan_run(store, dataset, partition, config, network)
+    mark = {"site": site, "sites": sites}
+    return replace(plan, run_fp=fingerprint({"run": plan.run_fp, **mark}), world=sites, site=site,
+                   layer_fps={l: fingerprint({"layer": fp, **mark}) for l, fp in plan.layer_fps.items()})
 
 
 def layer_state(plan: RunPlan, layer: int) -> LayerState:

@@ -31,16 +31,20 @@ from graphstore.atomic import commit_directory, fsync_file, fsync_tree
 from graphstore.integrity import record_digests, verify_files
 from graphstore.layout import Store
 from graphstore.manifests import LayerManifest
-from graphstore.parquet_io import COMPRESSION
+from graphstore.parquet_io import COMPRESSION, read_table
 from graphstore.runs import PREDICTIONS, read_embeddings, write_embeddings
+from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 
 if TYPE_CHECKING:
     import torch
 
+    from retexo_core.comm.communicator import Communicator
+
     from retexo_core.results import LayerSummary
 
 
+TRAFFIC = "traffic.json"  # a site run's last layer, at the coordinator: every site's bytes
 PROGRESS_EVERY_S = 0.25  # seconds between two progress files of one rank
 _last_progress: dict[tuple[str, int], float] = {}  # (run, rank) -> when its progress was last written
 
@@ -104,6 +108,11 @@ class RunFolder:
     config: TrainConfig
     world: int
     stages: tuple[StageSpec, ...]
+    site_network: NetworkModel | None = None  # set for a site's run: every site commits its own layers
+
+    @property
+    def every_rank_commits(self) -> bool:
+        return self.site_network is not None
 
     def stage(self, layer: int) -> StageSpec:
         return next(s for s in self.stages if s.layer == layer)
@@ -162,14 +171,33 @@ class RunFolder:
         fsync_file(path)
         record_digests(path.parent.parent, [f"part={part}/{PREDICTIONS}"], f"rank-{part}-predictions")
 
-    def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor], history: pa.Table | None,
+    def gather_traffic(self, comm: Communicator) -> None:
+        """``ResultSink.gather_traffic``: in a site's run, every site tells the coordinator its
+        bytes (``retexo_core.sites.gather_traffic``: this launch's log and its own rows of the
+        layers committed before it); the coordinator writes them to ``traffic.json`` of the last
+        layer. Nothing happens in other runs."""
+        if self.site_network is None:
+            return
+        from retexo_core.sites import gather_traffic
+
+        store, first = Store(Path(self.store_root)), min(s.layer for s in self.stages)
+        earlier = [read_table(store.layer_dir(self.run_fp, l) / f"part={comm.rank}" / "comm.parquet")
+                   for l in range(1, first)]
+        summary = gather_traffic(comm, pa.concat_tables([*earlier, comm.log.to_table()]), self.site_network)
+        if summary is not None:
+            path = Path(self.stage(self.config.layers).temp) / TRAFFIC
+            path.write_text(json.dumps(summary, sort_keys=True))
+            fsync_file(path)
+
+    def commit_layer(self, summary: LayerSummary, state: dict[str, torch.Tensor] | None, history: pa.Table | None,
                      evaluation: list[dict[str, Any]] | None) -> None:
         import torch
 
         stage = self.stage(summary.layer)
         temp = Path(stage.temp)
-        written = [temp / "model.pt"]
-        torch.save(state, written[0])
+        written = [temp / "model.pt"] if state is not None else []
+        if state is not None:
+            torch.save(state, written[0])
         if history is not None:
             written.append(temp / "metrics.parquet")
             pq.write_table(history, written[-1], compression=COMPRESSION)

@@ -46,6 +46,7 @@ from retexo_core.config import TrainConfig
 from runner.results import StageSpec
 
 if TYPE_CHECKING:  # the training core (torch) is imported by the ranks only, not by the launcher
+    from retexo_core.comm.communicator import Communicator
     from retexo_core.comm.transport import Transport
     from retexo_core.data import PartData
 
@@ -69,6 +70,7 @@ class WorkerJob:
     audit_dir: str | None = None
     launcher_hosts_rendezvous: bool = False  # else rank 0 hosts it (the launcher then needs no torch)
     refresh_dirs: tuple[str, ...] = field(default_factory=tuple)  # grappa: partitions of refresh periods 1, 2, ...
+    site: bool = False  # one site of several, each with its own store: source_dir is its site partition
 
     @property
     def timeout(self) -> timedelta:
@@ -138,7 +140,7 @@ class LauncherWatch:
     def launcher_gone(self) -> NoReturn:
         with self.lock:  # the watch thread and the main thread may both get here; one exits
             try:
-                if self.rank == 0:
+                if self.rank == 0 or self.job.site:  # the rank whose launcher records the run's events
                     mark_abandoned(Store(Path(self.job.store_root)), self.job.run_fp,
                                    f"the launcher (pid {self.parent.pid}) died; workers stopped",  # type: ignore[union-attr]
                                    wait_s=2.0)  # its lock is released while it exits
@@ -248,7 +250,31 @@ def load_data(job: WorkerJob, rank: int) -> PartData:
     from retexo_core.data import load_part, load_whole_graph
 
     source = Path(job.source_dir)
+    if job.site:
+        return load_part(source, 0)  # a site partition has one part, this site's
     return load_whole_graph(source) if job.whole_graph else load_part(source, rank)
+
+
+def meet_sites(comm: Communicator, job: WorkerJob, data: PartData) -> tuple[PartData, tuple[StageSpec, ...]]:
+    """A site's rank meets the others (``retexo_core.sites``): the options, widths and classes are
+    checked and the first layer to train agreed (the earliest one some site has not committed),
+    then the owners of its remote sources are discovered. Returns this site's part of the K-part graph and
+    the stages to train."""
+    import dataclasses
+    import json
+
+    from graphstore.lookup import layer_fp_of
+    from retexo_core.sites import SITE_EPOCH, agree, discover_owners, with_owners
+
+    comm.layer, comm.epoch = 0, SITE_EPOCH
+    unfinished = [s.layer for s in job.stages if layer_fp_of(Path(s.target)) != s.fp]
+    first = min(unfinished, default=job.config.layers + 1)
+    agreed = agree(comm, data, json.dumps(job.config.run_payload(), sort_keys=True), first)
+    data = with_owners(data, comm.rank, comm.world, discover_owners(comm, data.node_id, data.halo_id))
+    comm.epoch = -1
+    data = dataclasses.replace(data, num_classes=agreed.num_classes, features_nonnegative=agreed.features_nonnegative)
+    first = agreed.start_layer if job.config.is_layerwise else min(agreed.start_layer, 1)
+    return data, tuple(s for s in job.stages if s.layer >= first and agreed.start_layer <= job.config.layers)
 
 
 def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous: object = None) -> None:
@@ -260,21 +286,27 @@ def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous:
 
     comm = Communicator(rank, job.world, job.timeout, job.config.compress, job.network, transport)
     comm.rendezvous = rendezvous
-    sink = RunFolder(job.store_root, job.run_fp, job.config, job.world, job.stages)
+    data, stages = load_data(job, rank), job.stages
+    if job.site:
+        data, stages = meet_sites(comm, job, data)
+        if not stages:
+            return  # every site has every layer
+    sink = RunFolder(job.store_root, job.run_fp, job.config, job.world, stages, job.network if job.site else None)
     refresh = [Path(d) for d in job.refresh_dirs]
-    train_stages(comm, load_data(job, rank), job.config, [s.layer for s in job.stages], sink,
+    train_stages(comm, data, job.config, [s.layer for s in stages], sink,
                  lambda period: load_part(refresh[period - 1], rank))
 
 
 def install_open_audit(job: WorkerJob) -> list[str]:
-    """Record every file under the store that this process opens (Python audit hook)."""
-    root = str(Path(job.store_root).resolve())
+    """Record every file this process opens from now on (Python audit hook), outside the Python
+    installation: the residency audit then shows which stores' files a rank read."""
+    installation = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     opened: list[str] = []
 
     def hook(event: str, args: tuple[object, ...]) -> None:
         if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             path = os.path.abspath(os.fsdecode(args[0]))
-            if path.startswith(root):
+            if not path.startswith(installation):
                 opened.append(path)
 
     sys.addaudithook(hook)

@@ -103,7 +103,9 @@ def ingest_tables(
             if not path.is_file():
                 raise InputError(str(path), f"{role} file does not exist")
             content[role] = file_digest(path)
-    opts = {**options.model_dump(), "split": fractions.model_dump()}
+    # remote_sources enters the fingerprint only when set: fingerprints of other tables unchanged
+    opts = {**options.model_dump(exclude={"remote_sources"} if not options.remote_sources else None),
+            "split": fractions.model_dump()}
 
     def load() -> SourceGraph:
         check_memory(tables_estimate(estimated_rows(edges), estimated_rows(nodes),

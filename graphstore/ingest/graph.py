@@ -25,6 +25,9 @@ class SourceGraph:
         src, dst: (E,) int64 directed edges, node ids (not row positions), in source order
             (so validation errors name the source's rows).
         undirected: store every edge in both directions (reverse edges are added when writing).
+        remote_sources: a site's graph: an edge's source may be a node another site holds (not
+            in ``node_id``); only edges into this site's nodes are stored (an undirected edge
+            from a remote node is stored in the direction that ends here).
         edge_columns: the source's names of the edge columns, used in error messages.
         extra: further node columns kept from the source (e.g. a site assignment), (N,) each.
         num_classes: number of classes; labels must lie in ``[0, num_classes)`` or be -1.
@@ -43,6 +46,7 @@ class SourceGraph:
     files: dict[str, str] = field(default_factory=dict)
     undirected: bool = False
     edge_columns: tuple[str, str] = ("src", "dst")
+    remote_sources: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -54,6 +58,12 @@ class SourceGraph:
 
     def stored_edges(self) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) to write: the source's edges, plus their reverses when ``undirected``."""
-        if not self.undirected:
-            return self.src, self.dst
-        return np.concatenate([self.src, self.dst]), np.concatenate([self.dst, self.src])
+        src, dst = self.src, self.dst
+        if self.undirected:
+            src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
+        if self.remote_sources:
+            known = np.sort(self.node_id)
+            pos = np.searchsorted(known, dst).clip(0, len(known) - 1)
+            into_site = known[pos] == dst
+            src, dst = src[into_site], dst[into_site]
+        return src, dst

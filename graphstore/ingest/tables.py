@@ -47,6 +47,9 @@ class TableOptions(BaseModel):
     dst_column: str = "dst"
     undirected: bool = False
     num_classes: int | None = None
+    # a site's tables: edge sources may be nodes other sites hold (only targets must be in the
+    # nodes table); the site's edges are those into its own nodes
+    remote_sources: bool = False
     feature_format: RequestedFormat = "auto"
 
 
@@ -323,5 +326,5 @@ def load_tables(edges_path: Path, nodes_path: Path, features_path: Path | None, 
     return SourceGraph(
         node_id=node_id, label=label, split=split, x=x, src=src, dst=dst,
         num_classes=num_classes, extra=extra, files=files, undirected=options.undirected,
-        edge_columns=(options.src_column, options.dst_column),
+        edge_columns=(options.src_column, options.dst_column), remote_sources=options.remote_sources,
     )

@@ -32,11 +32,19 @@ def check_edges_known(graph: SourceGraph) -> None:
     """Refuse the first edge row whose source or target is not a node id.
 
     Edges are checked as the source gave them (before reverse edges are added for undirected
-    graphs), so the row and column named are the edge file's.
+    graphs), so the row and column named are the edge file's. A site's graph (``remote_sources``)
+    may name remote nodes as sources; its targets must be its own (both ends, if undirected:
+    an edge between two remote nodes is not the site's).
     """
     known = np.sort(graph.node_id)
     unknown_rows = []
-    for column, values in zip(graph.edge_columns, (graph.src, graph.dst)):
+    checked = list(zip(graph.edge_columns, (graph.src, graph.dst)))
+    if graph.remote_sources:
+        checked = [(graph.edge_columns[1], graph.dst)]
+        if graph.undirected:
+            pos = np.searchsorted(known, graph.src).clip(0, len(known) - 1)
+            checked = [(graph.edge_columns[1], np.where(known[pos] == graph.src, graph.src, graph.dst))]
+    for column, values in checked:
         pos = np.searchsorted(known, values).clip(0, max(len(known) - 1, 0))
         unknown = known[pos] != values if len(known) else np.ones(len(values), bool)
         if unknown.any():
@@ -45,7 +53,8 @@ def check_edges_known(graph: SourceGraph) -> None:
         row, column, values = min(unknown_rows, key=lambda item: item[0])  # the earlier row; src first on a tie
         raise InputError(
             graph.files.get("edges", "edges"),
-            f"edge refers to node {values[row]}, which is not in the nodes table ({graph.files.get('nodes', 'nodes')})",
+            f"edge refers to node {values[row]}, which is not in the nodes table ({graph.files.get('nodes', 'nodes')})"
+            + (": a site's edges must end at its own nodes" if graph.remote_sources else ""),
             column,
             row + 1,
         )

@@ -54,6 +54,15 @@ def canonical_edges(node_id_sorted: np.ndarray, src: np.ndarray, dst: np.ndarray
     return node_id_sorted[src_pos], node_id_sorted[dst_pos], int(len(key) - len(unique_key))
 
 
+def canonical_edges_by_id(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``canonical_edges`` for edges whose sources may be remote ids (a site's graph)."""
+    order = np.lexsort((dst, src))
+    src, dst = src[order], dst[order]
+    keep = np.ones(len(src), bool)
+    keep[1:] = (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])
+    return src[keep], dst[keep], int(len(keep) - np.count_nonzero(keep))
+
+
 def is_symmetric(node_id_sorted: np.ndarray, src: np.ndarray, dst: np.ndarray) -> bool:
     """True when every edge (u, v) has its reverse (v, u); edges must be deduplicated."""
     n = np.int64(len(node_id_sorted))
@@ -78,11 +87,16 @@ def write_graph(store: Store, name: str, fp: str, graph: SourceGraph, source: di
     for column, values in graph.extra.items():
         columns[column] = pa.array(values[order])
     nodes = pa.table(columns)
-    src, dst, duplicates = canonical_edges(node_id, *graph.stored_edges())
+    if graph.remote_sources:
+        src, dst, duplicates = canonical_edges_by_id(*graph.stored_edges())
+    else:
+        src, dst, duplicates = canonical_edges(node_id, *graph.stored_edges())
     features = features_table_of(node_id, graph.x[order])
+    remote = np.setdiff1d(src, node_id)
     stats = {
         "duplicates_removed": duplicates,
-        "symmetric": is_symmetric(node_id, src, dst),
+        "remote_nodes": int(len(remote)),
+        "symmetric": not len(remote) and is_symmetric(node_id, src, dst),
         "self_loops": int(np.count_nonzero(src == dst)),
     }
     return write_dataset_files(

@@ -1,0 +1,198 @@
+"""Sites that keep their own stores train one model together (``retexo site train``).
+
+Cora is split among three sites; each site ingests only its own tables (its nodes, their features,
+labels and splits, and the edges into them, whose sources may be another site's ids) into its own
+store. The three train retexo GCN together: in network namespaces (each site its own address on a
+bridge) when this machine can make them, else over the loopback interface. The result must equal
+a central run of the same graph partitioned by the ``column`` method, and no site may open a
+file of another site's store.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import CORA_DIR, REPO, cli_env, run_cli
+from graphstore.ingest.api import ingest_planetoid, ingest_tables
+from graphstore.ingest.splits import SplitFractions
+from graphstore.ingest.tables import TableOptions
+from graphstore.layout import Store
+from graphstore.manifests import RunManifest, read_manifest
+from graphstore.parquet_io import features_of, read_table
+from graphstore.runs import read_embeddings
+from netns import netns_missing, sites
+from retexo_core.sites import SITE_EPOCH
+
+pytestmark = pytest.mark.slow
+SITES = 3
+TIMEOUT_S = 300
+TRAIN = ("--hidden", 16, "--rounds", 30, "--timeout", 60)
+
+
+@dataclass(frozen=True)
+class Loopback:
+    """A site on this host's loopback interface (when namespaces cannot be made)."""
+
+    address: str = "127.0.0.1"
+
+    def command(self, *argv: str) -> list[str]:
+        return list(argv)
+
+
+@contextmanager
+def hosts(count: int) -> Iterator[list]:
+    if netns_missing() is None:
+        with sites(count) as made:
+            yield made
+    else:
+        yield [Loopback() for _ in range(count)]
+
+
+def write_tables(folder: Path, nodes: pa.Table, features: pa.Table, edges: pa.Table) -> Path:
+    folder.mkdir(parents=True)
+    for name, table in (("nodes", nodes), ("features", features), ("edges", edges)):
+        pq.write_table(table, folder / f"{name}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """Cora as central tables with a ``site`` column, and as each site's own tables."""
+    root = tmp_path_factory.mktemp("site-tables")
+    source = ingest_planetoid(Store.open(root / "source"), CORA_DIR, "cora", "dense")
+    nodes, edges = read_table(source.path / "nodes.parquet"), read_table(source.path / "edges.parquet")
+    x = features_of(read_table(source.path / "features.parquet"), source.num_features)
+    ids = nodes.column("node_id").to_numpy()
+    site = np.random.default_rng(1).integers(0, SITES, len(ids))
+    features = pa.table({"node_id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])})
+    central = write_tables(root / "central", nodes.append_column("site", pa.array(site)), features, edges)
+    into = edges.column("dst").to_numpy()
+    own = [write_tables(root / f"site{s}", nodes.filter(pa.array(site == s)), features.filter(pa.array(site == s)),
+                        edges.filter(pa.array(np.isin(into, ids[site == s])))) for s in range(SITES)]
+    return central, own
+
+
+def ingest(store: Path, folder: Path, name: str, remote: bool) -> None:
+    ingest_tables(Store.open(store), name, folder / "edges.parquet", folder / "nodes.parquet",
+                  folder / "features.parquet", TableOptions(remote_sources=remote), SplitFractions())
+
+
+def train_sites(stores: list[Path], audit: Path, port: int, *extra: object) -> list[subprocess.CompletedProcess]:
+    env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0" if netns_missing() is None else "lo"}
+    with hosts(len(stores)) as made:
+        procs = [subprocess.Popen(host.command(
+            sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s), "--world", str(len(stores)),
+            "--master-addr", made[0].address, "--master-port", str(port), "--audit-dir", str(audit / f"site{s}"),
+            "--store", str(stores[s]), *map(str, TRAIN), *map(str, extra)),
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for s, host in enumerate(made)]
+        try:
+            outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def traffic(comm: pa.Table) -> dict[tuple, int]:
+    """Bytes per (layer, epoch, kind, src, dst), without the sites' own coordination rows."""
+    rows = comm.filter(pc.not_equal(comm.column("epoch"), SITE_EPOCH))
+    grouped = rows.group_by(["layer", "epoch", "kind", "src", "dst"]).aggregate([("bytes", "sum")])
+    keys = zip(*(grouped.column(c).to_pylist() for c in ("layer", "epoch", "kind", "src", "dst")))
+    return dict(zip(keys, grouped.column("bytes_sum").to_pylist()))
+
+
+def test_three_sites_with_their_own_stores_train_what_a_central_column_partition_trains(
+        tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    central_tables, site_tables = tables
+    central = tmp_path / "central"
+    ingest(central, central_tables, "cora-central", remote=False)
+    trained = run_cli("train", "cora-central", "--parts", SITES, "--partition-method", "column",
+                      "--partition-column", "site", *TRAIN, store=central, timeout=TIMEOUT_S)
+    assert trained.returncode == 0, trained.stderr
+    stores = [tmp_path / f"store{s}" for s in range(SITES)]
+    for s in range(SITES):
+        ingest(stores[s], site_tables[s], "cora-site", remote=True)
+    done = train_sites(stores, tmp_path / "audit", 29641)
+    assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-2000:] for p in done]
+
+    (expected,) = central.glob("runs/run=*")
+    runs = [next(store.glob("runs/run=*")) for store in stores]
+    reference = read_manifest(expected, RunManifest)
+    manifests = [read_manifest(run, RunManifest) for run in runs]
+    coordinator = manifests[0]
+    assert coordinator.evaluation == reference.evaluation
+    assert [m.site for m in manifests] == list(range(SITES))
+    assert all(m.evaluation == [] and m.test_acc is None for m in manifests[1:])
+    for layer in (1, 2):
+        ours, theirs = (torch.load(r / f"layer={layer}" / "model.pt") for r in (runs[0], expected))
+        assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in theirs)
+        assert not any((r / f"layer={layer}" / "model.pt").exists() for r in runs[1:])
+        for s, run in enumerate(runs):
+            assert sorted(p.name for p in (run / f"layer={layer}").glob("part=*")) == [f"part={s}"]
+            (ids, ours), (central_ids, theirs) = (read_embeddings(r / f"layer={layer}" / f"part={s}" / "embeddings.parquet")
+                                                  for r in (run, expected))
+            assert np.array_equal(ids, central_ids)
+            assert np.abs(ours["full"] - theirs["full"]).max() <= 1e-5
+    for s, run in enumerate(runs):
+        predictions = pq.read_table(run / "layer=2" / f"part={s}" / "predictions.parquet")
+        assert predictions.select(["node_id", "predicted"]).equals(
+            pq.read_table(expected / "layer=2" / f"part={s}" / "predictions.parquet").select(["node_id", "predicted"]))
+
+    # the same bytes per link, kind, layer and epoch; the sites' coordination is extra, as control
+    central_comm = pq.read_table(expected / "comm.parquet")
+    site_comms = [pq.read_table(run / "comm.parquet") for run in runs]
+    for s, comm in enumerate(site_comms):
+        assert set(comm.column("src").to_pylist()) == {s}
+        assert traffic(comm) == traffic(central_comm.filter(pc.equal(central_comm.column("src"), s)))
+    coordination = sum(pc.sum(c.filter(pc.equal(c.column("epoch"), SITE_EPOCH)).column("bytes")).as_py() for c in site_comms)
+    assert 0 < coordination < 200_000
+    sent = [pc.sum(c.column("bytes")).as_py() for c in site_comms]
+    assert coordinator.total_bytes == sum(sent) == reference.total_bytes + coordination
+    assert coordinator.bytes_by_kind == {**reference.bytes_by_kind,
+                                         "control": reference.bytes_by_kind["control"] + coordination}
+    assert coordinator.bytes_by_site == {str(s): b for s, b in enumerate(sent)}
+    assert [m.total_bytes for m in manifests[1:]] == sent[1:]
+
+    # residency: every site's rank read its own store and nothing of another's
+    for s in range(SITES):
+        opened = (tmp_path / "audit" / f"site{s}" / f"rank-{s}.txt").read_text().split()
+        assert any(path.startswith(f"{stores[s]}/") for path in opened)
+        assert not [p for p in opened if p.startswith((f"{central}/", *(f"{o}/" for o in stores if o != stores[s])))]
+
+    # each site queries its own store
+    answer = run_cli("sql", "SELECT sum(bytes) AS b FROM comm_log", store=stores[1])
+    assert answer.returncode == 0 and str(manifests[1].total_bytes) in answer.stdout, answer.stdout + answer.stderr
+
+
+def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    _, site_tables = tables
+    stores = [tmp_path / f"store{s}" for s in range(2)]
+    for s in range(2):
+        ingest(stores[s], site_tables[s], "cora-site", remote=True)
+    env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s),
+                               "--world", "2", "--master-port", "29651", "--store", str(stores[s]), *map(str, TRAIN),
+                               "--lr", str(0.01 * (s + 1))],
+                              cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for s in range(2)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode not in (0, None) for p in procs)
+    assert any("trains with other options" in err for _, err in outputs), [err[-1500:] for _, err in outputs]
+    assert not list(stores[0].glob("runs/run=*/layer=*"))  # nothing was committed
