@@ -47,6 +47,8 @@ class PartData:
         num_classes: number of classes.
         features_nonnegative: no feature value of the dataset is negative (counts, TF-IDF), as
             recorded at ingest for the whole dataset, so every partition decides alike.
+        held_by_site: the part of a site that keeps its own store (``retexo_core.sites``): no
+            per-node value may leave it beyond the strategy's halo rows.
     """
 
     part: int
@@ -61,6 +63,7 @@ class PartData:
     dst: np.ndarray
     num_classes: int
     features_nonnegative: bool = False
+    held_by_site: bool = False
 
     @property
     def num_owned(self) -> int:

@@ -109,7 +109,7 @@ def with_owners(data: PartData, rank: int, world: int, owner: np.ndarray) -> Par
     halo_id, halo_owner = data.halo_id[order], owner[order]
     ids = np.concatenate([data.node_id, data.halo_id])[data.src]
     return dataclasses.replace(data, part=rank, num_parts=world, halo_id=halo_id, halo_owner=halo_owner,
-                               src=local_positions(data.node_id, halo_id, ids))
+                               src=local_positions(data.node_id, halo_id, ids), held_by_site=True)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,8 @@ class LauncherWatch:
     thread, that also ends a worker that is stopped or stuck without the GIL. It fires when the
     launcher *thread* that spawned the worker exits, which is safe here because ``run_workers``
     starts and waits for its workers in one thread; rank 0 does without it, since a SIGKILL
-    would stop it before it records the event.
+    would stop it before it records the event, and so does every site's rank (each records its
+    own site's run).
     """
 
     def __init__(self, job: WorkerJob, rank: int):
@@ -125,7 +126,7 @@ class LauncherWatch:
     def start(self) -> None:
         if self.parent is None:
             return
-        if self.rank != 0:
+        if self.rank != 0 and not self.job.site:
             die_with_parent_thread()
         threading.Thread(target=self._wait, name="retexo-launcher-watch", daemon=True).start()
 

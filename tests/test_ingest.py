@@ -140,6 +140,30 @@ def test_undirected_tables_are_stored_both_ways(tmp_path: Path):
     assert nodes.column("site").to_pylist()[:2] == ["a", "a"]  # extra columns are kept
 
 
+def test_a_site_keeps_the_edges_into_its_nodes_with_remote_sources_by_id(tmp_path: Path):
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "nodes.csv").write_text("node_id,label\n10,0\n11,1\n")
+    (folder / "edges.csv").write_text("src,dst\n10,11\n900,10\n11,901\n900,10\n")  # 11->901: remote target
+    refused = run_cli("ingest", "tables", "--edges", folder / "edges.csv", "--nodes", folder / "nodes.csv",
+                      "--name", "site", "--remote-sources", store=tmp_path / "store")
+    assert refused.returncode == 2
+    assert "edges.csv, column 'dst', row 3: edge refers to node 901" in refused.stderr
+    assert "a site's edges must end at its own nodes" in refused.stderr
+    ref = ingest_tables(Store.open(tmp_path / "store"), "site", folder / "edges.csv", folder / "nodes.csv", None,
+                        TableOptions(remote_sources=True, undirected=True), SplitFractions())
+    edges = pq.read_table(ref.path / "edges.parquet")
+    # undirected: each edge kept in the direction that ends here; 10<->11 both ways, 901 dropped
+    assert sorted(zip(edges.column("src").to_pylist(), edges.column("dst").to_pylist())) == [
+        (10, 11), (11, 10), (900, 10), (901, 11)]
+    manifest = ref.manifest
+    assert (manifest.remote_nodes, manifest.symmetric, manifest.duplicates_removed) == (2, False, 1)
+    files = write_tables(tmp_path / "plain")
+    plain, site = (ingest_tables(Store.open(tmp_path / s), "tiny", files.edges, files.nodes, files.features,
+                                 TableOptions(remote_sources=r), SplitFractions()) for s, r in (("a", False), ("b", True)))
+    assert plain.fp != site.fp and plain.num_edges == site.num_edges  # an option of the fingerprint
+
+
 # --------------------------------------------------------------------------- fingerprints
 
 

@@ -231,14 +231,14 @@ def final_evaluation(ctx: WorkerContext, outputs: dict[str, torch.Tensor]) -> li
     ``outputs`` maps each view to the owned logits; a split is scored on its own view (train on
     train, val on val, test on the full graph). One all-reduce of (3, C, C) counts; for binary
     tasks the positive-class scores are also gathered to rank 0 (control traffic). Identical on
-    every rank except ``roc_auc`` (rank 0 only).
+    every rank except ``roc_auc`` (rank 0 only; not computed when the data is held by sites).
     """
     data, comm = ctx.data, ctx.comm
     logits_of = {s: outputs[SPLIT_VIEW[s]] for s in SPLIT_NAMES}
     matrices = torch.stack([confusion(logits_of[s], data.y, data.masks[s], data.num_classes) for s in SPLIT_NAMES])
     matrices = comm.all_reduce(matrices, "control").numpy()
     aucs = {s: float("nan") for s in SPLIT_NAMES}
-    if data.num_classes == 2:
+    if data.num_classes == 2 and not data.held_by_site:  # sites: no per-node score or label leaves them
         for s in SPLIT_NAMES:
             scores = torch.softmax(logits_of[s], dim=1)[:, 1].double()
             mask = data.masks[s] & (data.y >= 0)
