@@ -10,8 +10,10 @@ file of another site's store.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -196,3 +198,50 @@ def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[P
     assert all(p.returncode not in (0, None) for p in procs)
     assert any("trains with other options" in err for _, err in outputs), [err[-1500:] for _, err in outputs]
     assert not list(stores[0].glob("runs/run=*/layer=*"))  # nothing was committed
+
+
+def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    _, site_tables = tables
+    stores = [tmp_path / f"store{s}" for s in range(SITES)]
+    for s in range(SITES):
+        ingest(stores[s], site_tables[s], "cora-site", remote=True)
+    env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
+    longer = ("--rounds", "200,400")
+
+    def start(port: int) -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s),
+                                  "--world", str(SITES), "--master-port", str(port), "--store", str(stores[s]),
+                                  "--hidden", "16", "--timeout", "60", *longer],
+                                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for s in range(SITES)]
+
+    procs = start(29661)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(list(store.glob("runs/run=*/layer=1/manifest.json")) for store in stores):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        procs[1].kill()  # site 1's command dies during layer 2; its worker follows
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes[1] == -9 and codes[0] != 0 and codes[2] != 0
+    runs = [next(store.glob("runs/run=*")) for store in stores]
+    assert all(not (run / "layer=2").exists() and not list(run.glob(".tmp-*")) for run in runs)
+    layer_1 = [(run / "layer=1" / "manifest.json").read_bytes() for run in runs]
+
+    procs = start(29662)
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * SITES, [err[-1500:] for _, err in outputs]
+    assert [(run / "layer=1" / "manifest.json").read_bytes() for run in runs] == layer_1  # not trained again
+    for s, run in enumerate(runs):
+        launches = [line for line in (run / "logs" / f"rank-{s}.log").read_text().splitlines() if "owned nodes" in line]
+        assert [line.rsplit("layers ", 1)[1] for line in launches] == ["[1, 2]", "[2]"]
+        events = sorted((run / "events").glob("*.json"))
+        assert [json.loads(e.read_text())["event"] for e in events][-1] == "completed"
+    assert read_manifest(runs[0], RunManifest).test_acc is not None
