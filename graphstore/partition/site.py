@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -82,7 +81,3 @@ def build_site_partition(store: Store, dataset: DatasetRef) -> PartitionRef:
     log.info("site partition %s of %s: %d nodes, %d edges, %d remote sources", fp, dataset.name,
              len(node_id), len(src), len(halo))
     return PartitionRef.at(target, created=True)
-
-
-def is_site_partition(path: Path) -> bool:
-    return PartitionRef.at(path).method == SITE_METHOD
