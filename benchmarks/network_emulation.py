@@ -1,15 +1,17 @@
 """Real links instead of the network model: Cora trained by K sites, each a network namespace with its
-own address on a bridge and its egress shaped to ``--bandwidth-mbit`` by ``tc tbf``, the ranks
-talking over real TCP (``tests/netns.py``; needs root and iproute2).
+own address on a bridge, its egress shaped to ``--bandwidth-mbit`` by ``tc tbf``, and its own store
+built from its own tables (``retexo site train``; the ranks talk over real TCP; ``tests/netns.py``;
+needs root and iproute2).
 
-Three configurations (4 random parts, the defaults of ``retexo worker`` otherwise): standard,
+Cora's nodes are dealt to the K sites at random (seed 0); each site's tables hold its nodes and the
+edges into them. Three configurations (the defaults of ``retexo site train`` otherwise): standard,
 retexo (gradient sync every round) and retexo with ``--sync avg --sync-every 5 --compress int8``.
-Each runs twice in namespaces, unshaped and shaped, from fresh copies of one store. The measured
-communication time is the shaped run's wall time minus the unshaped one's (same compute, same
-start-up); the simulated time is the project's network model (``retexo_core.comm.network``) for the
-same comm log at that bandwidth and zero latency (tbf adds none). ``foreign_opens`` counts the store
-files a site's ranks opened that belong to another site's part (partition or layer ``part=<j>``),
-from the workers' audit hooks.
+Each runs twice in namespaces, unshaped and shaped, from fresh copies of the sites' stores. The
+measured communication time is the shaped run's wall time minus the unshaped one's (same compute,
+same start-up); the simulated time is the project's network model (``retexo_core.comm.network``)
+for the union of the sites' comm logs at that bandwidth and zero latency (tbf adds none).
+``foreign_opens`` counts the files a site's rank opened in another site's store, from the
+workers' audit hooks.
 
     sudo .venv/bin/python benchmarks/network_emulation.py [--bandwidth-mbit 100] [--sites 4]
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,30 +34,48 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from graphstore.ingest.api import ingest_planetoid  # noqa: E402
+from graphstore.ingest.api import ingest_planetoid, ingest_tables  # noqa: E402
+from graphstore.ingest.splits import SplitFractions  # noqa: E402
+from graphstore.ingest.tables import TableOptions  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
-from graphstore.partition.build import build_partition  # noqa: E402
-from graphstore.partition.methods import PartitionOptions  # noqa: E402
+from graphstore.manifests import RunManifest, read_manifest  # noqa: E402
+from graphstore.parquet_io import features_of, read_table  # noqa: E402
 from netns import netns_missing, sites  # noqa: E402
 from retexo_core.comm.network import NetworkModel, simulated_seconds  # noqa: E402
 
 CONFIGS = {
-    "standard": "strategy: standard",
-    "retexo": "strategy: retexo",
-    "retexo_avg_int8": "strategy: retexo, sync: avg, sync_every: 5, compress: int8",
+    "standard": ["--strategy", "standard"],
+    "retexo": ["--strategy", "retexo"],
+    "retexo_avg_int8": ["--strategy", "retexo", "--sync", "avg", "--sync-every", "5", "--compress", "int8"],
 }
-GROUP_PORT = 29520  # the ranks' process group, on site 0's address
+GROUP_PORT = 29520  # the sites' process group, on site 0's address
 TIMEOUT_S = 1800
 
 
-def preset(folder: Path, name: str, sites_count: int) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(f"dataset: {{name: cora, source: planetoid, path: {REPO / 'data' / 'cora'}}}\n"
-                    f"partition: {{method: random, parts: {sites_count}, seed: 0}}\n"
-                    f"train: {{{CONFIGS[name]}, timeout_s: 600}}\n")
-    return path
+def site_stores(work: Path, count: int) -> list[Path]:
+    """Cora dealt to ``count`` sites; each site's own tables ingested into its own store."""
+    source = ingest_planetoid(Store.open(work / "source"), REPO / "data" / "cora", "cora", "dense")
+    nodes, edges = read_table(source.path / "nodes.parquet"), read_table(source.path / "edges.parquet")
+    x = features_of(read_table(source.path / "features.parquet"), source.num_features)
+    ids, into = nodes.column("node_id").to_numpy(), edges.column("dst").to_numpy()
+    owner = np.random.default_rng(0).integers(0, count, len(ids))
+    features = pa.table({"node_id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])})
+    stores = []
+    for k in range(count):
+        tables = work / f"tables{k}"
+        tables.mkdir()
+        mine = pa.array(owner == k)
+        for name, table in (("nodes", nodes.filter(mine)), ("features", features.filter(mine)),
+                            ("edges", edges.filter(pa.array(np.isin(into, ids[owner == k]))))):
+            pq.write_table(table, tables / f"{name}.parquet")
+        stores.append(work / f"site{k}")
+        ingest_tables(Store.open(stores[-1]), "cora-site", tables / "edges.parquet", tables / "nodes.parquet",
+                      tables / "features.parquet", TableOptions(remote_sources=True), SplitFractions())
+    return stores
 
 
 def pin(site: int):  # -> a preexec_fn
@@ -66,15 +85,16 @@ def pin(site: int):  # -> a preexec_fn
     return lambda: os.sched_setaffinity(0, {cpus[site % len(cpus)]})
 
 
-def run_sites(job: Path, store: Path, audit: Path, count: int, bandwidth_mbit: float | None) -> float:
-    """One training by ``count`` sites in namespaces; wall seconds until every site finished."""
+def run_sites(options: list[str], stores: list[Path], audit: Path, bandwidth_mbit: float | None) -> float:
+    """One training by the sites in namespaces; wall seconds until every site finished."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0", "COLUMNS": "120"}
-    with sites(count, bandwidth_mbit) as hosts:
+    with sites(len(stores), bandwidth_mbit) as hosts:
         started = time.perf_counter()
-        nodes = [subprocess.Popen(site.command(sys.executable, "-m", "flows.cli", "worker", str(job),
-                                               "--nnodes", str(count), "--node-rank", str(k),
+        nodes = [subprocess.Popen(site.command(sys.executable, "-m", "flows.cli", "site", "train", "cora-site",
+                                               "--rank", str(k), "--world", str(len(stores)),
                                                "--master-addr", hosts[0].address, "--master-port", str(GROUP_PORT),
-                                               "--audit-dir", str(audit), "--store", str(store)),
+                                               "--timeout", "600", "--audit-dir", str(audit / f"site{k}"),
+                                               "--store", str(stores[k]), *options),
                                   cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True, preexec_fn=pin(k))
                  for k, site in enumerate(hosts)]
@@ -90,14 +110,13 @@ def run_sites(job: Path, store: Path, audit: Path, count: int, bandwidth_mbit: f
     return seconds
 
 
-def foreign_opens(audit: Path) -> int:
-    """Store files a rank opened that belong to another rank's part."""
+def foreign_opens(audit: Path, stores: list[Path]) -> int:
+    """Files a site's rank opened inside another site's store."""
     count = 0
-    for listing in audit.glob("rank-*.txt"):
-        rank = int(listing.stem.removeprefix("rank-"))
-        for path in listing.read_text().split():
-            part = re.search(r"/part=(\d+)/", path)
-            count += part is not None and int(part.group(1)) != rank
+    for k in range(len(stores)):
+        others = tuple(f"{store}/" for j, store in enumerate(stores) if j != k)
+        for listing in (audit / f"site{k}").glob("rank-*.txt"):
+            count += sum(path.startswith(others) for path in listing.read_text().split())
     return count
 
 
@@ -110,32 +129,32 @@ def main() -> None:
     if missing is not None:
         raise SystemExit(f"cannot emulate the network here: {missing}")
     work = Path(tempfile.mkdtemp(prefix="retexo-netem-"))
-    template = Store.open(work / "template")
-    dataset = ingest_planetoid(template, REPO / "data" / "cora", "cora")
-    build_partition(template, dataset, PartitionOptions(method="random", parts=args.sites, seed=0))
+    templates = site_stores(work, args.sites)
     model = NetworkModel(latency_ms=0.0, bandwidth_mbps=args.bandwidth_mbit)
-    print(f"Cora, {args.sites} sites in network namespaces, egress shaped to {args.bandwidth_mbit:g} Mbit/s (tc tbf)")
+    print(f"Cora, {args.sites} sites in network namespaces, each with its own store, egress shaped to "
+          f"{args.bandwidth_mbit:g} Mbit/s (tc tbf)")
     print("| configuration | MB sent | wall s, unshaped | wall s, shaped | measured comm s | simulated comm s "
           "| measured / simulated |")
     print("|---|---|---|---|---|---|---|")
     results: dict[str, tuple[float, float]] = {}
     foreign = 0
-    for name in CONFIGS:
-        job = preset(work, name, args.sites)
+    for name, options in CONFIGS.items():
         walls = {}
         for shaped in (False, True):
-            store = work / f"{name}-{'shaped' if shaped else 'free'}"
-            shutil.copytree(template.root, store)
-            audit = work / f"audit-{name}-{'shaped' if shaped else 'free'}"
-            walls[shaped] = run_sites(job, store, audit, args.sites, args.bandwidth_mbit if shaped else None)
-            foreign += foreign_opens(audit)
-        (run,) = store.glob("runs/run=*")
-        comm = pq.read_table(run / "comm.parquet")
+            label = f"{name}-{'shaped' if shaped else 'free'}"
+            stores = [work / label / f"site{k}" for k in range(args.sites)]
+            for template, store in zip(templates, stores):
+                shutil.copytree(template, store)
+            audit = work / f"audit-{label}"
+            walls[shaped] = run_sites(options, stores, audit, args.bandwidth_mbit if shaped else None)
+            foreign += foreign_opens(audit, stores)
+        runs = [next(store.glob("runs/run=*")) for store in stores]
+        comm = pa.concat_tables([pq.read_table(run / "comm.parquet") for run in runs])  # every site's own rows
         simulated = simulated_seconds(comm, model)[0]
         measured = walls[True] - walls[False]
         ratio = measured / simulated if simulated else float("nan")
         results[name] = (walls[True], ratio)
-        total = sum(comm.column("bytes").to_pylist())
+        total = read_manifest(runs[0], RunManifest).total_bytes  # the coordinator's count of the whole run
         print(f"| {name} | {total / 1e6:,.1f} | {walls[False]:.1f} | {walls[True]:.1f} | {measured:.1f} | "
               f"{simulated:.1f} | {ratio:.2f} |", flush=True)
     shutil.rmtree(work, ignore_errors=True)

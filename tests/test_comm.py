@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import torch.distributed as dist
@@ -389,3 +390,23 @@ def test_rejoin_forms_a_new_group_of_the_survivors(monkeypatch: pytest.MonkeyPat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_network_model_counts_wire_bytes_acks_and_the_busiest_link_per_step() -> None:
+    from retexo_core.comm.log import COMM_SCHEMA
+    from retexo_core.comm.network import ACK_SHARE, FRAME_HEADERS, MSS, NetworkModel, simulated_seconds
+
+    segment = MSS + FRAME_HEADERS
+    rows = [  # (op, layer, epoch, kind, src, dst, bytes, hops)
+        (0, 1, 0, "halo_embeddings", 0, 1, 10 * MSS, 1),  # rank 0 sends 10 full segments, rank 1 5
+        (0, 1, 0, "halo_embeddings", 1, 0, 5 * MSS, 1),
+        (1, 1, 0, "grad_sync", 0, 1, 4 * MSS, 2),  # an all-reduce: two steps of 2 segments each way
+        (1, 1, 0, "grad_sync", 1, 0, 4 * MSS, 2),
+    ]
+    log = pa.Table.from_pylist([dict(zip(COMM_SCHEMA.names, r)) for r in rows], schema=COMM_SCHEMA)
+    net = NetworkModel(latency_ms=10, bandwidth_mbps=8)  # 1 B per microsecond
+    total, per_worker = simulated_seconds(log, net)
+    exchange = 10 * segment + ACK_SHARE * 5 * segment  # rank 0's link: its data and its ACKs of rank 1's
+    step = 2 * segment * (1 + ACK_SHARE)
+    assert total == pytest.approx(0.010 + exchange * 1e-6 + 2 * (0.010 + step * 1e-6))
+    assert per_worker[1] == pytest.approx(0.010 + (5 + 10 * ACK_SHARE) * segment * 1e-6 + 2 * (0.010 + step * 1e-6))

@@ -57,11 +57,20 @@ class GlooTransport:
         self.rendezvous = rendezvous
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], timeout: timedelta) -> list[torch.Tensor]:
-        """One alltoallv over the concatenated payloads. ``timeout`` is not used: the process
-        group's timeout (given at ``init_process_group``) bounds the collective."""
-        output = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(output, torch.cat(send), recv_sizes, [p.numel() for p in send])
-        return list(torch.split(output, recv_sizes))
+        """Every receive is posted before any send (``irecv`` from each peer, then ``isend`` to
+        each), then all are waited for, each within ``timeout``. gloo's own alltoallv posts a
+        send to rank r+i before the receive from rank r-i, and a send starts only when its
+        receiver's "ready" message arrived, on the same TCP connection as the receiver's own
+        data: over a slow link one direction of a pair then waits for the other (measured on
+        4 tbf-shaped sites: 1.3-1.6x bytes / bandwidth per exchange, 1.1x with receives
+        first). Empty payloads are neither sent nor received."""
+        rank = dist.get_rank()
+        received = [torch.empty(n, dtype=torch.uint8) if j != rank else _empty() for j, n in enumerate(recv_sizes)]
+        pending = [dist.irecv(received[j], src=j) for j, n in enumerate(recv_sizes) if j != rank and n]
+        pending += [dist.isend(p.contiguous(), dst=j) for j, p in enumerate(send) if j != rank and p.numel()]
+        for request in pending:
+            request.wait(timeout)
+        return received
 
     def barrier(self, timeout: timedelta) -> None:
         """gloo's monitored barrier: rank 0 names the first rank that did not arrive."""
