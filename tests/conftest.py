@@ -52,6 +52,19 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def run_together(commands: list[list[str]], env: dict[str, str], timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    """Start every command at once (from the repository, stdin closed), wait for all of them (each
+    within ``timeout`` s) and kill whatever is left, also when waiting fails."""
+    procs = [subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for command in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
 def run_cli(*args: object, store: Path | None = None, timeout: float = 120,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real ``retexo`` CLI in a subprocess with stdin closed (nothing may prompt)."""

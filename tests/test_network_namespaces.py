@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import CORA_DIR, REPO, cli_env, run_cli
+from conftest import CORA_DIR, cli_env, run_cli, run_together
 from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import Store
 from netns import netns_missing, sites
@@ -67,18 +67,10 @@ def test_two_nodes_in_namespaces_train_what_retexo_train_trains(tmp_path: Path) 
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0"}
     with sites(2, bandwidth_mbit=BANDWIDTH_MBIT) as hosts:
         master = hosts[0].address
-        nodes = [subprocess.Popen(site.command(sys.executable, "-m", "flows.cli", "worker", str(job), "--nnodes", "2",
-                                               "--node-rank", str(k), "--master-addr", master, "--master-port", "29510",
-                                               "--store", str(store)),
-                                  cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for k, site in enumerate(hosts)]
-        try:
-            outputs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
-        finally:
-            for node in nodes:
-                node.kill()
-        assert [node.returncode for node in nodes] == [0, 0], outputs
+        nodes = run_together([site.command(sys.executable, "-m", "flows.cli", "worker", str(job), "--nnodes", "2",
+                                           "--node-rank", str(k), "--master-addr", master, "--master-port", "29510",
+                                           "--store", str(store)) for k, site in enumerate(hosts)], env, TIMEOUT_S)
+        assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-1500:] for node in nodes]
         shaped = [subprocess.run(site.command("tc", "-s", "qdisc", "show", "dev", "eth0"), capture_output=True,
                                  text=True, timeout=30).stdout for site in hosts]
     trained = run_cli("train", "cora", "--parts", 2, "--partition-method", "random", "--hidden", 16, "--rounds", 30,

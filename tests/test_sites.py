@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import CORA_DIR, REPO, cli_env, run_cli
+from conftest import CORA_DIR, REPO, cli_env, run_cli, run_together
 from graphstore.ingest.api import ingest_planetoid, ingest_tables
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.tables import TableOptions
@@ -94,18 +94,15 @@ def ingest(store: Path, folder: Path, name: str, remote: bool) -> None:
 def train_sites(stores: list[Path], audit: Path, port: int, *extra: object) -> list[subprocess.CompletedProcess]:
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0" if netns_missing() is None else "lo"}
     with hosts(len(stores)) as made:
-        procs = [subprocess.Popen(host.command(
-            sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s), "--world", str(len(stores)),
-            "--master-addr", made[0].address, "--master-port", str(port), "--audit-dir", str(audit / f"site{s}"),
-            "--store", str(stores[s]), *map(str, TRAIN), *map(str, extra)),
-            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for s, host in enumerate(made)]
-        try:
-            outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+        return run_together([host.command(*site_train(s, len(stores), port, stores[s], "--master-addr", made[0].address,
+                                                      "--audit-dir", audit / f"site{s}", *extra))
+                             for s, host in enumerate(made)], env, TIMEOUT_S)
+
+
+def site_train(rank: int, world: int, port: int, store: Path, *options: object) -> list[str]:
+    """The ``retexo site train`` command of site ``rank`` (the test's training options, then ``options``)."""
+    return [sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(rank), "--world", str(world),
+            "--master-port", str(port), "--store", str(store), *map(str, TRAIN), *map(str, options)]
 
 
 def traffic(comm: pa.Table) -> dict[tuple, int]:
@@ -184,19 +181,10 @@ def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[P
     stores = [tmp_path / f"store{s}" for s in range(2)]
     for s in range(2):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
-    env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s),
-                               "--world", "2", "--master-port", "29651", "--store", str(stores[s]), *map(str, TRAIN),
-                               "--lr", str(0.01 * (s + 1))],
-                              cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for s in range(2)]
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode not in (0, None) for p in procs)
-    assert any("trains with other options" in err for _, err in outputs), [err[-1500:] for _, err in outputs]
+    done = run_together([site_train(s, 2, 29651, stores[s], "--lr", 0.01 * (s + 1)) for s in range(2)],
+                        {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}, TIMEOUT_S)
+    assert all(p.returncode not in (0, None) for p in done)
+    assert any("trains with other options" in p.stderr for p in done), [p.stderr[-1500:] for p in done]
     assert not list(stores[0].glob("runs/run=*/layer=*"))  # nothing was committed
 
 
@@ -206,16 +194,10 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     for s in range(SITES):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
-    longer = ("--rounds", "200,400")
-
-    def start(port: int) -> list[subprocess.Popen]:
-        return [subprocess.Popen([sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(s),
-                                  "--world", str(SITES), "--master-port", str(port), "--store", str(stores[s]),
-                                  "--hidden", "16", "--timeout", "60", *longer],
-                                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for s in range(SITES)]
-
-    procs = start(29661)
+    longer = ("--rounds", "200,400")  # after the test's options: layer 2 runs long enough to be killed in
+    procs = [subprocess.Popen(site_train(s, SITES, 29661, stores[s], *longer), cwd=REPO, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s in range(SITES)]
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not all(list(store.glob("runs/run=*/layer=1/manifest.json")) for store in stores):
@@ -231,13 +213,8 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     assert all(not (run / "layer=2").exists() and not list(run.glob(".tmp-*")) for run in runs)
     layer_1 = [(run / "layer=1" / "manifest.json").read_bytes() for run in runs]
 
-    procs = start(29662)
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0] * SITES, [err[-1500:] for _, err in outputs]
+    done = run_together([site_train(s, SITES, 29662, stores[s], *longer) for s in range(SITES)], env, TIMEOUT_S)
+    assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-1500:] for p in done]
     assert [(run / "layer=1" / "manifest.json").read_bytes() for run in runs] == layer_1  # not trained again
     for s, run in enumerate(runs):
         launches = [line for line in (run / "logs" / f"rank-{s}.log").read_text().splitlines() if "owned nodes" in line]
