@@ -3,7 +3,7 @@
 The communicator encodes, counts and logs; a transport only moves bytes. Two implementations:
 
 * ``GlooTransport``: one rank per process over the default torch.distributed (gloo) group
-  (alltoallv, ``isend``/``irecv``, monitored barrier), plus the re-formation of the group with the
+  (``irecv`` from every peer posted before any ``isend``, monitored barrier), plus the re-formation of the group with the
   survivors that tolerant strategies need (``published_members`` / ``reform``).
 * ``ThreadTransport``: one rank per thread of a single process, all sharing a ``ThreadHub``. Every
   ordered pair (src, dst) has a FIFO mailbox; since every rank issues the same sequence of
