@@ -187,7 +187,7 @@ def site_train_cmd(
     config = collect(TRAIN, options)
     ref = find_dataset(st, dataset)
     plan = plan_site_run(st, ref, build_site_partition(st, ref), config, collect(NETWORK, options), rank, world)  # type: ignore[arg-type]
-    launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port, site=True,
+    launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port,
                            audit_dir=str(audit_dir) if audit_dir is not None else None, attempts=1)
     if audit_dir is not None:
         audit_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from retexo_core.comm.communicator import Communicator
@@ -194,8 +193,3 @@ def op_seconds(rows: pa.Table, network: NetworkModel) -> list[tuple[int, int, fl
     grouped = rows.group_by(["layer", "op"]).aggregate([("bytes", "sum"), ("hops", "max")])
     return [(l, o, network.seconds(h, b)) for l, o, b, h in zip(
         *(grouped.column(c).to_pylist() for c in ("layer", "op", "bytes_sum", "hops_max")))]
-
-
-def site_rows(rows: pa.Table) -> pa.Table:
-    """The site-coordination rows of a comm log (discovery, agreement, the traffic gather)."""
-    return rows.filter(pc.equal(rows.column("epoch"), SITE_EPOCH))

@@ -64,13 +64,6 @@ class LaunchOptions:
     launcher: Launcher = "processes"
     audit_dir: str | None = None  # record the files each rank opens (residency audit)
     attempts: int = 2
-    site: bool = False  # every node is a site with its own store (one rank each, rank = node rank)
-
-    @property
-    def keeps_store(self) -> bool:
-        """This node keeps the run in its store: locks, temp folders, events, finalisation (node 0
-        of a shared store; every site of a run of sites)."""
-        return self.node_rank == 0 or self.site
 
     @classmethod
     def from_torchrun(cls, env: Mapping[str, str], master_port: int) -> "LaunchOptions | None":
@@ -94,6 +87,12 @@ class LayerProgress:
     layer: int
     state: str  # trained | reused | cached
     seconds: float
+
+
+def keeps_store(plan: RunPlan, launch: LaunchOptions) -> bool:
+    """This node keeps the run in its store: locks, temp folders, events, finalisation (node 0
+    of a shared store; every site of a run of sites, each one rank, its node rank)."""
+    return launch.node_rank == 0 or plan.site is not None
 
 
 OnLayer = Callable[[LayerProgress], None]
@@ -144,7 +143,7 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
     committed, ``on_round`` of rank 0's rounds (read from the ranks' progress files). A port clash
     ("address already in use") is retried on a fresh port when the port was chosen here.
     """
-    store, host = plan.store, launch.keeps_store
+    store, host = plan.store, keeps_store(plan, launch)
     ranks = node_ranks(plan.world, launch.nnodes, launch.node_rank)
     refresh = refresh_partitions(plan) if host or plan.config.strategy == "grappa" else ()
     reported: set[int] = set()
@@ -193,7 +192,7 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
                 whole_graph=plan.whole_graph, config=plan.config, network=plan.network, stages=stages,
                 world=plan.world, error_dir=error_dir, master_addr=launch.master_addr, master_port=port,
                 threads=default_threads(len(ranks)), audit_dir=launch.audit_dir, refresh_dirs=refresh,
-                launcher_hosts_rendezvous=plan.config.tolerate_failures, site=launch.site,
+                launcher_hosts_rendezvous=plan.config.tolerate_failures, site=plan.site is not None,
             )
             try:
                 dropped = run_workers(job, ranks, host=launch.node_rank == 0, launcher=launch.launcher, watch=watch)
@@ -234,7 +233,7 @@ def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
     on the first layer some site lacks (``runner.worker.meet_sites``)."""
     states = {l: layer_state(plan, l) for l in plan.layers}
     pending = [l for l in plan.layers if states[l] == "pending"]
-    if (not plan.config.is_layerwise and pending) or launch.site:
+    if (not plan.config.is_layerwise and pending) or plan.site is not None:
         pending = plan.layers
     first = pending[0] if pending else plan.layers[-1] + 1
     progress: list[LayerProgress] = []
@@ -266,9 +265,9 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     the CLI, a Prefect termination: any BaseException that is not an Exception). A run whose last
     event is ``started`` but which no process holds is marked ``interrupted`` first.
     """
-    host = launch.keeps_store
+    host = keeps_store(plan, launch)
     run_dir = plan.store.run_dir(plan.run_fp)
-    if host and not launch.site and intact_manifest(run_dir, RunManifest) is not None and all(layer_state(plan, l) == "done"
+    if host and plan.site is None and intact_manifest(run_dir, RunManifest) is not None and all(layer_state(plan, l) == "done"
                                                                          for l in plan.layers):
         return read_manifest(run_dir, RunManifest), [LayerProgress(l, "cached", 0.0) for l in plan.layers]
     local_ranks = len(node_ranks(plan.world, launch.nnodes, launch.node_rank))
