@@ -3,8 +3,8 @@ write the run manifest last.
 
 A site's run holds this site's rows only. Its coordinator (site 0) also has the evaluation and
 ``traffic.json`` (every site's bytes, ``retexo_core.sites.gather_traffic``), so its manifest's
-totals and simulated time are those of the whole run; another site's manifest counts what it sent
-and has no evaluation."""
+totals and simulated time are those of the whole run; another site's manifest counts what it sent,
+and its run folder has no ``metrics.parquet`` or ``evaluation.parquet``."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def finalize_run(plan: RunPlan) -> RunManifest:
     )
     with writer_lock(store, run_dir):
         for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):
-            atomic_write_file(store, run_dir / name, parquet_bytes(table))
+            if table.num_columns:  # a site other than the coordinator has no curves and no evaluation
+                atomic_write_file(store, run_dir / name, parquet_bytes(table))
         manifest = manifest.model_copy(update={"files": folder_digests(run_dir, "run")})  # sha256 of the files above
         atomic_write_file(store, run_dir / MANIFEST, manifest_json(manifest).encode())
     return manifest

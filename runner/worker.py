@@ -22,6 +22,7 @@ the ranks that waited from the rank that never came.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -326,6 +327,8 @@ def process_main(job: WorkerJob, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    import retexo_core.sites  # noqa: F401  (the training core, imported before the prefetch below)
+    import retexo_core.stages  # noqa: F401
     from retexo_core.comm.transport import GlooTransport
 
     opened = install_open_audit(job) if job.audit_dir else []
@@ -342,6 +345,7 @@ def process_main(job: WorkerJob, rank: int) -> None:
                 transport = GlooTransport()
             else:
                 marker(job, rank, "joined").touch()
+            prefetch_import("torch._dynamo")  # torch.optim imports it at its first use (about 1 s of CPU)
             run_rank(job, rank, transport, rendezvous)
         except BaseException:
             error_file(job, rank).write_text(traceback.format_exc())
@@ -352,6 +356,25 @@ def process_main(job: WorkerJob, rank: int) -> None:
                 dist.destroy_process_group()
             if job.audit_dir:
                 Path(job.audit_dir, f"rank-{rank}.txt").write_text("\n".join(opened) + "\n")
+    exit_now()
+
+
+def prefetch_import(module: str) -> None:
+    """Import ``module`` in a daemon thread, so that its import overlaps this rank's waits for its
+    peers (discovery, the first halo exchange: gloo waits release the GIL) instead of delaying the
+    first training step. Started once the rank's own imports are done and the process group has
+    formed (it would delay the rendezvous of a peer that shares this CPU)."""
+    threading.Thread(target=importlib.import_module, args=(module,), name="retexo-prefetch", daemon=True).start()
+
+
+def exit_now() -> NoReturn:
+    """End a worker that has finished: logs and output streams are flushed, then ``os._exit(0)``.
+    Everything it wrote is committed by now; the interpreter's own teardown (torch and gloo
+    destructors) would otherwise keep the process, and so the launcher, waiting for over a second."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def thread_main(job: WorkerJob, rank: int, transport: Transport, failed: threading.Event) -> None:

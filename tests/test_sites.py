@@ -174,6 +174,8 @@ def test_three_sites_with_their_own_stores_train_what_a_central_column_partition
     # each site queries its own store
     answer = run_cli("sql", "SELECT sum(bytes) AS b FROM comm_log", store=stores[1])
     assert answer.returncode == 0 and str(manifests[1].total_bytes) in answer.stdout, answer.stdout + answer.stderr
+    assert "unreadable" not in answer.stderr, answer.stderr  # no empty curves or evaluation files at a site
+    assert not (runs[1] / "metrics.parquet").exists() and not (runs[1] / "evaluation.parquet").exists()
 
 
 def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
