@@ -82,6 +82,9 @@ class TrainConfig(BaseModel):
                              strategies=("retexo",), ge=1)
     compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
                                    "int8.", scope="layer")
+    skip_zero_grads: bool = option(False, "Gradient sync: send each all-reduce chunk as a bitmap of its non-zero "
+                                   "entries plus those entries when that is shorter (lossless; the lengths go "
+                                   "first, 8 B to each peer as control). Only with --compress none.", scope="layer")
     bns_rate: float = option(1.0, "standard: fraction of boundary nodes sampled per epoch (BNS-GCN).", scope="run",
                              strategies=("standard",), gt=0, le=1)
     eval_every: int = option(5, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
@@ -142,6 +145,9 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{name} has {len(value)} entries but layers = {self.layers}")
         if self.varco_c_min > self.varco_c_max:
             raise ValueError(f"varco_c_min ({self.varco_c_min}) must not exceed varco_c_max ({self.varco_c_max})")
+        if self.skip_zero_grads and self.compress != "none":
+            raise ValueError("skip_zero_grads is a lossless encoding of uncompressed gradients: use it with "
+                             "compress none")
         if self.tolerate_failures and self.strategy != "tma":
             raise ValueError("tolerate_failures is supported by the tma strategy only")
         rounds = self.rounds if isinstance(self.rounds, list) else [self.rounds]

@@ -286,7 +286,8 @@ def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous:
     from retexo_core.stages import train_stages
     from runner.results import RunFolder
 
-    comm = Communicator(rank, job.world, job.timeout, job.config.compress, job.network, transport)
+    comm = Communicator(rank, job.world, job.timeout, job.config.compress, job.network, transport,
+                        skip_zero_grads=job.config.skip_zero_grads)
     comm.rendezvous = rendezvous
     data, stages = load_data(job, rank), job.stages
     if job.site:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_ranks_batch, run_threads
-from retexo_core.comm.codec import decode, encode, encoded_nbytes
+from retexo_core.comm.codec import decode, encode, encoded_nbytes, pack_nonzero, unpack_nonzero
 from retexo_core.comm.communicator import CommunicationError, Communicator
 from retexo_core.comm.transport import GlooTransport, ThreadHub
 
@@ -45,7 +45,34 @@ def test_integers_are_never_compressed() -> None:
     assert torch.equal(decode(encode(ids, "int8"), (5,), torch.int64, "int8"), ids)
 
 
+def test_pack_nonzero_keeps_the_nonzero_entries_or_the_raw_bytes_whichever_is_shorter() -> None:
+    sparse = torch.zeros(20)
+    sparse[[3, 17]] = torch.tensor([1.5, -2.0])
+    payload = pack_nonzero(sparse)
+    assert payload.numel() == 3 + 2 * 4  # a 20-bit bitmap, then the two values
+    assert torch.equal(unpack_nonzero(payload, 20, torch.float32), sparse)
+    dense = torch.arange(1, 21, dtype=torch.float32)
+    assert pack_nonzero(dense).numel() == 80 and torch.equal(unpack_nonzero(pack_nonzero(dense), 20, torch.float32), dense)
+    assert torch.equal(unpack_nonzero(pack_nonzero(torch.zeros(9)), 9, torch.float32), torch.zeros(9))
+    assert pack_nonzero(torch.zeros(9)).numel() == 2
+
+
 # --------------------------------------------------------------------------- rank functions
+
+
+def _sparse_input(rank: int) -> torch.Tensor:
+    """60 entries, 3 chunks of 20: chunk 0 dense, chunks 1 and 2 with one non-zero per rank."""
+    x = torch.zeros(60)
+    x[:20] = torch.arange(1, 21, dtype=torch.float32) * (rank + 1)
+    x[20 + rank] = 1.0
+    x[40 + 2 * rank] = -float(rank + 1)
+    return x
+
+
+def _allreduce_nonzero(comm: Communicator) -> np.ndarray:
+    comm.layer, comm.epoch = 2, 5
+    comm.skip_zero_grads = True
+    return comm.all_reduce(_sparse_input(comm.rank), "grad_sync").numpy()
 
 
 def _allreduce_ten(comm: Communicator) -> np.ndarray:
@@ -96,7 +123,7 @@ def _barriers(comm: Communicator) -> int:
 # --------------------------------------------------------------------------- the two transports
 
 GLOO_BATCHES: dict[int, list[tuple[Callable[[Communicator], Any], str]]] = {
-    3: [(_allreduce_ten, "none"), (_exchange, "none"), (_exchange_int8, "int8"), (_exchange_bytes, "none"),
+    3: [(_allreduce_ten, "none"), (_allreduce_nonzero, "none"), (_exchange, "none"), (_exchange_int8, "int8"), (_exchange_bytes, "none"),
         (_barriers, "none")],
     4: [(_allreduce_int8, "int8")],
 }
@@ -146,6 +173,29 @@ def test_all_reduce_sums_and_logs_what_reduce_scatter_and_all_gather_send(run: R
             assert nbytes == 4 * (chunks[dst] + chunks[rank])
     # in total each chunk crosses K-1 links twice, as in a ring: 2(K-1)/K * N per worker on average
     assert sum(row[6] for _, rows in results for row in rows) == 2 * (world - 1) * 40
+
+
+def test_all_reduce_of_nonzero_entries_sums_exactly_and_logs_the_packed_lengths(run: Runner) -> None:
+    world = 3
+    results = run(_allreduce_nonzero, world)
+    inputs = [_sparse_input(r) for r in range(world)]
+    expected = sum(inputs)
+    chunks = [list(torch.tensor_split(x, world)) for x in inputs]
+    for rank, (value, rows) in enumerate(results):
+        np.testing.assert_array_equal(value, expected.numpy())
+        mine = torch.tensor_split(expected, world)[rank]
+        logged = sorted((kind, dst, nbytes, hops) for _, layer, epoch, kind, _, dst, nbytes, hops in rows)
+        peers = [j for j in range(world) if j != rank]
+        # per step: the payload lengths (8 B to each peer), then the packed chunk (reduce-scatter:
+        # the peer's chunk of our input; all-gather: our summed chunk)
+        assert logged == sorted([("control", j, 8, 1) for j in peers] * 2
+                                + [("grad_sync", j, pack_nonzero(chunks[rank][j]).numel(), 1) for j in peers]
+                                + [("grad_sync", j, pack_nonzero(mine).numel(), 1) for j in peers])
+    grad_bytes = sum(row[6] for _, rows in results for row in rows if row[3] == "grad_sync")
+    # reduce-scatter: chunk 0 raw (80 B) from 2 ranks, chunks 1 and 2 one value each (3 + 4 B) from 2
+    # ranks; all-gather: summed chunk 0 raw, chunks 1 and 2 three values each (3 + 12 B), to 2 ranks
+    assert grad_bytes == 2 * 80 + 4 * (3 + 4) + 2 * 80 + 4 * (3 + 12)
+    assert grad_bytes < 2 * (world - 1) * 60 * 4  # the dense all-reduce's bytes
 
 
 def test_compressed_all_reduce_is_identical_on_every_rank(run: Runner) -> None:

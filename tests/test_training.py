@@ -217,3 +217,27 @@ def test_warm_start_refuses_a_run_that_does_not_fit_and_zero_rounds_without_it(t
         train(store, dataset, partition, small_config(warm_start="ffffff"))
     with pytest.raises(ValidationError, match="needs warm_start"):
         small_config(rounds=0)
+
+
+@pytest.mark.parametrize("strategy", ["retexo", "standard"])
+def test_skipping_zero_gradient_entries_changes_only_the_bytes(tiny, strategy: str) -> None:
+    store, dataset, partition = tiny
+    rounds = (3, 2)
+    config = small_config(strategy=strategy, rounds=list(rounds), dropout=0.3)
+    dense, packed = (train(store, dataset, partition, config.model_copy(update={"skip_zero_grads": skip}))
+                     for skip in (False, True))
+    for layer in ((1, 2) if strategy == "retexo" else (2,)):
+        for part in range(K):
+            ids, ours = read_embeddings(store.embeddings_path(packed.run_fp, layer, part))
+            theirs_ids, theirs = read_embeddings(store.embeddings_path(dense.run_fp, layer, part))
+            assert np.array_equal(ids, theirs_ids)
+            np.testing.assert_array_equal(ours["full"], theirs["full"])
+    evaluation = [pq.read_table(store.run_dir(p.run_fp) / "evaluation.parquet").to_pandas() for p in (packed, dense)]
+    pd.testing.assert_frame_equal(evaluation[0], evaluation[1])
+    ours, theirs = comm_log(packed), comm_log(dense)
+    syncs = sum(rounds) if strategy == "retexo" else config.epochs
+    # every gradient all-reduce sends its two steps' payload lengths first: 8 B to each peer, twice
+    assert ours["control"] == theirs["control"] + syncs * 2 * K * (K - 1) * 8
+    assert ours["grad_sync"] <= theirs["grad_sync"]
+    assert {k: v for k, v in ours.items() if k not in ("control", "grad_sync")} == \
+        {k: v for k, v in theirs.items() if k not in ("control", "grad_sync")}

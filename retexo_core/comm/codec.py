@@ -1,10 +1,12 @@
-"""Byte encodings of tensors on the wire: raw, fp16, or int8 with one float32 scale per row.
+"""Byte encodings of tensors on the wire: raw, fp16, or int8 with one float32 scale per row; and,
+lossless and of variable length, the non-zero entries of a tensor (``pack_nonzero``).
 
 Encoded payloads are uint8 tensors; their length is exactly what the log counts.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from retexo_core.config import Compression
@@ -54,3 +56,30 @@ def decode(payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, co
     scale = payload[: rows * 4].view(torch.float32)
     values = payload[rows * 4:].view(torch.int8).to(torch.float32).reshape(rows, -1)
     return (values * scale[:, None]).reshape(shape)
+
+
+def pack_nonzero(values: torch.Tensor) -> torch.Tensor:
+    """(n,) tensor -> uint8 payload: a bitmap of its non-zero entries (ceil(n / 8) B) followed by those
+    entries, when that is shorter than the raw n * itemsize bytes; else the raw bytes. Lossless
+    (a -0.0 entry comes back as +0.0); ``unpack_nonzero`` tells the two forms apart by the length."""
+    flat = values.detach().contiguous().reshape(-1)
+    mask = flat != 0
+    nonzero = flat[mask]
+    bitmap_bytes = (flat.numel() + 7) // 8
+    if bitmap_bytes + nonzero.numel() * flat.element_size() >= flat.numel() * flat.element_size():
+        return flat.view(torch.uint8)
+    bitmap = torch.from_numpy(np.packbits(mask.numpy()))
+    return torch.cat([bitmap, nonzero.view(torch.uint8)])
+
+
+def unpack_nonzero(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (numel,) tensor of ``dtype`` that ``pack_nonzero`` encoded as ``payload``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    payload = payload.clone() if payload.storage_offset() % 8 else payload  # realign a slice of a buffer
+    if payload.numel() == numel * itemsize:
+        return payload.view(dtype).reshape(numel)
+    bitmap_bytes = (numel + 7) // 8
+    mask = torch.from_numpy(np.unpackbits(payload[:bitmap_bytes].numpy(), count=numel).astype(bool))
+    out = torch.zeros(numel, dtype=dtype)
+    out[mask] = payload[bitmap_bytes:].clone().view(dtype)
+    return out

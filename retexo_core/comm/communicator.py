@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes
+from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes, pack_nonzero, unpack_nonzero
 from retexo_core.comm.log import CommLog
 from retexo_core.comm.network import NetworkModel
 from retexo_core.comm.transport import GlooTransport, Transport
@@ -38,6 +38,8 @@ class Communicator:
 
     Attributes:
         layer, epoch: tags for the log rows of subsequent operations (set by the strategy).
+        skip_zero_grads: uncompressed ``grad_sync`` all-reduces send each chunk's non-zero
+            entries only (``all_reduce_nonzero``).
         members: partition id of each group rank (changes after a ``rejoin``); generation: how
             many times the group was re-formed.
     """
@@ -50,6 +52,7 @@ class Communicator:
         compression: Compression = "none",
         network: NetworkModel | None = None,
         transport: Transport | None = None,
+        skip_zero_grads: bool = False,
     ):
         self.rank = rank  # index in the current process group
         self.world = world
@@ -62,6 +65,7 @@ class Communicator:
         self.log = CommLog(rank)
         self.layer = 0
         self.epoch = -1
+        self.skip_zero_grads = skip_zero_grads  # grad_sync all-reduces send non-zero entries only
 
     @property
     def rendezvous(self) -> dist.Store | None:
@@ -193,6 +197,8 @@ class Communicator:
         (its owner included) decodes that same payload, so replicas are bit-identical even when
         compressed.
         """
+        if self.skip_zero_grads and kind == "grad_sync" and self.codec(kind) == "none" and self.world > 1:
+            return self.all_reduce_nonzero(tensor, kind)
         op = self.log.new_op()
         if self.world == 1:
             return tensor.clone()
@@ -213,6 +219,28 @@ class Communicator:
         out = [decode(reduced if j == self.rank else gathered[j], shapes[j], dtype, codec) for j in range(self.world)]
         sent = {j: scatter[j].numel() + reduced.numel() for j in range(self.world) if j != self.rank}
         self._finish(op, kind, {j: b for j, b in sent.items() if b}, hops=2)
+        return torch.cat(out).reshape(tensor.shape)
+
+    def all_reduce_nonzero(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """``all_reduce`` (uncompressed) whose chunks travel as ``pack_nonzero`` payloads: a bitmap
+        of the non-zero entries and those entries, or the raw chunk when that is shorter. The sums
+        are those of ``all_reduce``, bit for bit (the same chunks, added in rank order). Each of the
+        two steps is an ``exchange_bytes``: the payload lengths go first (``control``, 8 B to each
+        peer), so an operation is four all-to-all steps instead of two. Gradients of layer-wise
+        training on bag-of-words features are zero for every feature that no train node of the
+        rank has in its neighbourhood, so their chunks shrink."""
+        dtype = tensor.dtype
+        chunks = list(torch.tensor_split(tensor.detach().reshape(-1), self.world))
+        nothing = torch.empty(0, dtype=torch.uint8)
+        got = self.exchange_bytes([pack_nonzero(c) if j != self.rank else nothing for j, c in enumerate(chunks)], kind)
+        mine = chunks[self.rank].numel()
+        total = torch.zeros(mine, dtype=dtype)
+        for j in range(self.world):
+            total += chunks[j] if j == self.rank else unpack_nonzero(got[j], mine, dtype)
+        reduced = pack_nonzero(total)
+        gathered = self.exchange_bytes([reduced if j != self.rank else nothing for j in range(self.world)], kind)
+        out = [total if j == self.rank else unpack_nonzero(gathered[j], chunks[j].numel(), dtype)
+               for j in range(self.world)]
         return torch.cat(out).reshape(tensor.shape)
 
     def barrier(self) -> None:
