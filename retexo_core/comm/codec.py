@@ -64,12 +64,11 @@ def pack_nonzero(values: torch.Tensor) -> torch.Tensor:
     (a -0.0 entry comes back as +0.0); ``unpack_nonzero`` tells the two forms apart by the length."""
     flat = values.detach().contiguous().reshape(-1)
     mask = flat != 0
-    nonzero = flat[mask]
     bitmap_bytes = (flat.numel() + 7) // 8
-    if bitmap_bytes + nonzero.numel() * flat.element_size() >= flat.numel() * flat.element_size():
-        return flat.view(torch.uint8)
+    if bitmap_bytes + int(mask.sum()) * flat.element_size() >= flat.numel() * flat.element_size():
+        return flat.view(torch.uint8)  # decided from the count: no gather for a chunk sent raw
     bitmap = torch.from_numpy(np.packbits(mask.numpy()))
-    return torch.cat([bitmap, nonzero.view(torch.uint8)])
+    return torch.cat([bitmap, flat[mask].view(torch.uint8)])
 
 
 def unpack_nonzero(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
