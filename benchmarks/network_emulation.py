@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from graphstore.layout import Store  # noqa: E402
 from graphstore.manifests import RunManifest, read_manifest  # noqa: E402
 from graphstore.parquet_io import features_of, read_table  # noqa: E402
 from netns import netns_missing, sites  # noqa: E402
+from processes import run_together  # noqa: E402
 from retexo_core.comm.network import NetworkModel, simulated_seconds  # noqa: E402
 
 CONFIGS = {
@@ -98,21 +98,14 @@ def run_sites(options: list[str], stores: list[Path], audit: Path, bandwidth_mbi
     env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0", "COLUMNS": "120"}
     with sites(len(stores), bandwidth_mbit) as hosts:
         started = time.perf_counter()
-        nodes = [subprocess.Popen(site.command(sys.executable, "-m", "flows.cli", "site", "train", "cora-site",
-                                               "--rank", str(k), "--world", str(len(stores)),
-                                               "--master-addr", hosts[0].address, "--master-port", str(GROUP_PORT),
-                                               "--timeout", "600", "--audit-dir", str(audit / f"site{k}"),
-                                               "--store", str(stores[k]), *options),
-                                  cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, preexec_fn=pin(k))
-                 for k, site in enumerate(hosts)]
-        try:
-            errors = [node.communicate(timeout=TIMEOUT_S)[1] for node in nodes]
-        finally:
-            for node in nodes:
-                node.kill()
+        commands = [site.command(sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(k),
+                                 "--world", str(len(stores)), "--master-addr", hosts[0].address,
+                                 "--master-port", str(GROUP_PORT), "--timeout", "600",
+                                 "--audit-dir", str(audit / f"site{k}"), "--store", str(stores[k]), *options)
+                    for k, site in enumerate(hosts)]
+        done = run_together(commands, env, TIMEOUT_S, [pin(k) for k in range(len(hosts))])
         seconds = time.perf_counter() - started
-    failed = [(k, e.strip().splitlines()[-1:]) for k, (node, e) in enumerate(zip(nodes, errors)) if node.returncode]
+    failed = [(k, node.stderr.strip().splitlines()[-1:]) for k, node in enumerate(done) if node.returncode]
     if failed:
         raise SystemExit(f"sites failed: {failed}")
     return seconds

@@ -35,6 +35,7 @@ from graphstore.layout import Store
 from graphstore.parquet_io import features_of
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
+from processes import run_together  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 CORA_DIR = REPO / "data" / "cora"
@@ -50,19 +51,6 @@ def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RETEXO_STORE"}
     env.update(COLUMNS="400", LINES="50", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(REPO))
     return env
-
-
-def run_together(commands: list[list[str]], env: dict[str, str], timeout: float) -> list[subprocess.CompletedProcess[str]]:
-    """Start every command at once (from the repository, stdin closed), wait for all of them (each
-    within ``timeout`` s) and kill whatever is left, also when waiting fails."""
-    procs = [subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for command in commands]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 
 def run_cli(*args: object, store: Path | None = None, timeout: float = 120,
