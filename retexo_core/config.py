@@ -23,6 +23,8 @@ Compression = Literal["none", "fp16", "int8"]
 Scope = Literal["layer", "per_layer", "run", "none"]
 END_TO_END = ("standard", "centralized", "varco", "tma", "grappa")
 WARM_STARTABLE = ("retexo", "centralized", "standard", "varco")
+LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
+LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: README)
 
 
 def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
@@ -70,8 +72,9 @@ class TrainConfig(BaseModel):
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
                                     strategies=("retexo", "centralized"), ge=1)
-    lr: float | list[float] = option(0.01, "Learning rate, one value or one per layer (comma list).",
-                                     scope="per_layer")
+    lr: float | list[float] | None = option(
+        None, f"Learning rate, one value or one per layer (comma list); default {LR}, except layer 1 of layer-wise "
+        f"GCN: {LAYERWISE_FIRST_LR['gcn']} (see the README's default recipe).", scope="per_layer")
     epochs: int = option(200, "Epochs (steps) of the end-to-end strategies (0 only with warm_start: evaluate "
                          "the warm-start model as it is).", scope="run", strategies=END_TO_END, ge=0)
     seed: int = option(0, "Training seed.", scope="layer", ge=0)
@@ -123,7 +126,9 @@ class TrainConfig(BaseModel):
 
     @field_validator("lr")
     @classmethod
-    def _positive(cls, value: float | list[float]) -> float | list[float]:
+    def _positive(cls, value: float | list[float] | None) -> float | list[float] | None:
+        if value is None:
+            return value
         values = value if isinstance(value, list) else [value]
         if not values or any(v <= 0 for v in values):
             raise ValueError("must be positive (one value, or one per layer)")
@@ -160,8 +165,11 @@ class TrainConfig(BaseModel):
         return self
 
     def per_layer(self, name: str, layer: int) -> Any:
-        """Layer ``layer``'s (1-based) value of a per-layer option."""
+        """Layer ``layer``'s (1-based) value of a per-layer option (the default learning rate
+        resolved when ``lr`` is not set)."""
         value = getattr(self, name)
+        if name == "lr" and value is None:
+            return LAYERWISE_FIRST_LR.get(self.model, LR) if self.is_layerwise and layer == 1 else LR
         return value[layer - 1] if isinstance(value, list) else value
 
     def layer_rounds(self, layer: int) -> int:
@@ -193,13 +201,16 @@ class TrainConfig(BaseModel):
 
     def layer_payload(self, layer: int) -> dict[str, object]:
         """What determines layer ``layer`` of a layer-wise run: shared options and layers 1..layer."""
-        per_layer = {name: [self.per_layer(name, k) for k in range(1, layer + 1)]
-                     for name in self._fields({"per_layer"})}
-        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **per_layer, "last": layer == self.layers}
+        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **self._per_layer_values(layer),
+                "last": layer == self.layers}
 
     def run_payload(self) -> dict[str, object]:
         """Everything that determines a run's results (the run fingerprint)."""
-        return {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "run"})}
+        return {**{k: getattr(self, k) for k in self._fields({"layer", "run"})}, **self._per_layer_values(self.layers)}
+
+    def _per_layer_values(self, layers: int) -> dict[str, list[object]]:
+        """The values of layers 1..``layers`` of every per-layer option (defaults resolved)."""
+        return {name: [self.per_layer(name, k) for k in range(1, layers + 1)] for name in self._fields({"per_layer"})}
 
 
 def cli_name(model: type[BaseModel], field: str) -> str:

@@ -170,6 +170,26 @@ def test_weight_decay_reaches_only_the_first_block_by_default() -> None:
         assert moved == (name.startswith("0.") and bool(before[name].abs().sum() > 0)), name
 
 
+def test_default_learning_rate_is_lower_only_for_layer_one_of_layerwise_gcn() -> None:
+    """Unset ``lr`` resolves per layer (layer-wise GCN: 0.005 for layer 1, else 0.01), and the
+    fingerprint payloads equal those of the same rates spelled out, so either spelling reuses the
+    other's results."""
+    from retexo_core.config import TrainConfig
+
+    def rates(**options: object) -> list[float]:
+        config = TrainConfig(layers=3, **options)
+        return [config.layer_lr(layer) for layer in (1, 2, 3)]
+
+    assert rates() == rates(strategy="centralized", layerwise=True) == [0.005, 0.01, 0.01]
+    for options in ({"model": "sage"}, {"model": "gat"}, {"strategy": "centralized"}, {"strategy": "standard"}):
+        assert rates(**options) == [0.01, 0.01, 0.01], options
+    assert rates(lr=0.02) == [0.02] * 3
+    default, spelled = TrainConfig(), TrainConfig(lr=[0.005, 0.01])
+    assert default.run_payload() == spelled.run_payload()
+    assert default.layer_payload(1) == spelled.layer_payload(1) != TrainConfig(lr=0.01).layer_payload(1)
+    assert TrainConfig(strategy="standard").run_payload() == TrainConfig(strategy="standard", lr=0.01).run_payload()
+
+
 @pytest.mark.parametrize("strategy", ["retexo", "standard"])
 def test_warm_start_with_zero_rounds_reproduces_the_model_and_sends_only_its_exchanges(tiny, strategy: str) -> None:
     store, dataset, partition = tiny
