@@ -205,8 +205,13 @@ class TrainConfig(BaseModel):
                 "last": layer == self.layers}
 
     def run_payload(self) -> dict[str, object]:
-        """Everything that determines a run's results (the run fingerprint)."""
-        return {**{k: getattr(self, k) for k in self._fields({"layer", "run"})}, **self._per_layer_values(self.layers)}
+        """Everything that determines a run's results (the run fingerprint), options as given; an
+        unset ``lr`` as its resolved value (one number when every layer has the same)."""
+        payload = {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "run"})}
+        if self.lr is None:
+            rates = self._per_layer_values(self.layers)["lr"]
+            payload["lr"] = rates[0] if len(set(rates)) == 1 else rates
+        return payload
 
     def _per_layer_values(self, layers: int) -> dict[str, list[object]]:
         """The values of layers 1..``layers`` of every per-layer option (defaults resolved)."""

@@ -188,6 +188,7 @@ def test_default_learning_rate_is_lower_only_for_layer_one_of_layerwise_gcn() ->
     assert default.run_payload() == spelled.run_payload()
     assert default.layer_payload(1) == spelled.layer_payload(1) != TrainConfig(lr=0.01).layer_payload(1)
     assert TrainConfig(strategy="standard").run_payload() == TrainConfig(strategy="standard", lr=0.01).run_payload()
+    assert TrainConfig(rounds=20).run_payload()["rounds"] == 20  # options as given (manifests, SQL)
 
 
 @pytest.mark.parametrize("strategy", ["retexo", "standard"])
