@@ -201,21 +201,18 @@ class TrainConfig(BaseModel):
 
     def layer_payload(self, layer: int) -> dict[str, object]:
         """What determines layer ``layer`` of a layer-wise run: shared options and layers 1..layer."""
-        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **self._per_layer_values(layer),
-                "last": layer == self.layers}
+        per_layer = {name: [self.per_layer(name, k) for k in range(1, layer + 1)]
+                     for name in self._fields({"per_layer"})}
+        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **per_layer, "last": layer == self.layers}
 
     def run_payload(self) -> dict[str, object]:
         """Everything that determines a run's results (the run fingerprint), options as given; an
         unset ``lr`` as its resolved value (one number when every layer has the same)."""
         payload = {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "run"})}
         if self.lr is None:
-            rates = self._per_layer_values(self.layers)["lr"]
+            rates = [self.layer_lr(k) for k in range(1, self.layers + 1)]
             payload["lr"] = rates[0] if len(set(rates)) == 1 else rates
         return payload
-
-    def _per_layer_values(self, layers: int) -> dict[str, list[object]]:
-        """The values of layers 1..``layers`` of every per-layer option (defaults resolved)."""
-        return {name: [self.per_layer(name, k) for k in range(1, layers + 1)] for name in self._fields({"per_layer"})}
 
 
 def cli_name(model: type[BaseModel], field: str) -> str:

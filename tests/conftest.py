@@ -35,9 +35,8 @@ from graphstore.layout import Store
 from graphstore.parquet_io import features_of
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
-from processes import run_together  # noqa: F401  (re-exported for the tests)
+from processes import REPO, run_together  # noqa: F401  (run_together: re-exported for the tests)
 
-REPO = Path(__file__).resolve().parents[1]
 CORA_DIR = REPO / "data" / "cora"
 RETEXO = [sys.executable, "-m", "flows.cli"]
 GRAPH_METHODS = ("random", "metis", "supernode")

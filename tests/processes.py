@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_together(commands: list[list[str]], env: dict[str, str], timeout: float,
-                 preexec_fns: Sequence[Callable[[], None] | None] | None = None) -> list[subprocess.CompletedProcess[str]]:
+                 preexec_fns: Sequence[Callable[[], None] | None] | None = None,
+                 ) -> list[subprocess.CompletedProcess[str]]:
     """Start every command at once (from the repository, stdin closed; command k runs
     ``preexec_fns[k]`` in the child before it starts), wait for all of them (each within ``timeout``
     s) and kill whatever is left, also when waiting fails."""

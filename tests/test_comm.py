@@ -52,7 +52,8 @@ def test_pack_nonzero_keeps_the_nonzero_entries_or_the_raw_bytes_whichever_is_sh
     assert payload.numel() == 3 + 2 * 4  # a 20-bit bitmap, then the two values
     assert torch.equal(unpack_nonzero(payload, 20, torch.float32), sparse)
     dense = torch.arange(1, 21, dtype=torch.float32)
-    assert pack_nonzero(dense).numel() == 80 and torch.equal(unpack_nonzero(pack_nonzero(dense), 20, torch.float32), dense)
+    assert pack_nonzero(dense).numel() == 80
+    assert torch.equal(unpack_nonzero(pack_nonzero(dense), 20, torch.float32), dense)
     assert torch.equal(unpack_nonzero(pack_nonzero(torch.zeros(9)), 9, torch.float32), torch.zeros(9))
     assert pack_nonzero(torch.zeros(9)).numel() == 2
 
@@ -123,8 +124,8 @@ def _barriers(comm: Communicator) -> int:
 # --------------------------------------------------------------------------- the two transports
 
 GLOO_BATCHES: dict[int, list[tuple[Callable[[Communicator], Any], str]]] = {
-    3: [(_allreduce_ten, "none"), (_allreduce_nonzero, "none"), (_exchange, "none"), (_exchange_int8, "int8"), (_exchange_bytes, "none"),
-        (_barriers, "none")],
+    3: [(_allreduce_ten, "none"), (_allreduce_nonzero, "none"), (_exchange, "none"), (_exchange_int8, "int8"),
+        (_exchange_bytes, "none"), (_barriers, "none")],
     4: [(_allreduce_int8, "int8")],
 }
 SCENARIOS = [(fn, world, compression) for world, calls in GLOO_BATCHES.items() for fn, compression in calls]
