@@ -16,7 +16,7 @@ import numpy as np
 
 from graphstore.errors import InputError
 from graphstore.fingerprint import file_digest
-from graphstore.ingest import ogb_source, planetoid, synthetic
+from graphstore.ingest import npz_source, ogb_source, planetoid, synthetic
 from graphstore.ingest.features import RequestedFormat, as_stored
 from graphstore.ingest.graph import SourceGraph
 from graphstore.ingest.splits import SplitFractions, stratified_split
@@ -83,6 +83,40 @@ def ingest_ogb(store: Store, directory: Path, name: str, undirected: bool = Fals
 
     options = {"undirected": undirected, "feature_format": feature_format}
     return _ingest(store, check_name(name), "ogb", options, content, load, None, feature_format)
+
+
+def ingest_npz(
+    store: Store,
+    path: Path,
+    name: str,
+    split_index: int | None = None,
+    undirected: bool = True,
+    fractions: SplitFractions | None = None,
+    feature_format: RequestedFormat = "auto",
+    force: bool = False,
+) -> DatasetRef:
+    """An ``.npz`` graph (heterophilous-graphs or gnn-benchmark layout, ``graphstore.ingest.npz_source``),
+    or a ``.zip`` holding one.
+
+    ``split_index`` picks one of the file's official splits (default 0); a file without splits
+    gets a stratified split drawn with ``fractions``. Only the options that apply enter the
+    fingerprint (the split index, resolved, or the fractions). Both layouts hold undirected
+    graphs, so ``undirected`` (every edge stored both ways) is the default. Refused before any
+    array is decoded when the memory estimated from the arrays' headers exceeds what is
+    available, unless ``force``.
+    """
+    name = check_name(name)
+    fractions = fractions or SplitFractions()
+    with npz_source.NpzArrays(path) as arrays:
+        index = npz_source.resolve_split_index(arrays, split_index)
+        options: dict[str, Any] = {"undirected": undirected, "feature_format": feature_format,
+                                   **({"split": fractions.model_dump()} if index is None else {"split_index": index})}
+
+        def load() -> SourceGraph:
+            check_memory(npz_source.npz_estimate(arrays, undirected, feature_format), force)
+            return npz_source.load_npz(arrays, index, undirected, feature_format)
+
+        return _ingest(store, name, "npz", options, {"file": file_digest(path)}, load, fractions, feature_format)
 
 
 def ingest_tables(
