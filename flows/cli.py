@@ -18,7 +18,7 @@ from flows.console import err, human_bytes, out, print_table, progress_bars
 from graphstore.catalog import refresh_catalog
 from graphstore.sql_query import DEFAULT_TIMEOUT_S, query
 from graphstore.errors import RetexoError, describe_validation_error
-from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
+from graphstore.ingest.api import ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
@@ -97,6 +97,36 @@ def ingest_planetoid_cmd(
     """Ingest a Planetoid data set (Cora, CiteSeer, PubMed raw files) with its public split."""
     st = open_store(store)
     show_dataset(ingest_planetoid(st, directory, name, feature_format))
+    refresh_catalog(st)
+
+
+@ingest_app.command("npz")
+def ingest_npz_cmd(
+    file: Annotated[Path, typer.Argument(help="An .npz graph (heterophilous-graphs or gnn-benchmark layout), or a .zip "
+                                              "holding one .npz (read in memory, not extracted).")],
+    name: Annotated[str, typer.Option(help="Dataset name in the store.")],
+    split_index: Annotated[Optional[int], typer.Option(min=0, help="Which of the file's official splits (row of "
+                                                                    "train_masks / val_masks / test_masks); default 0.")] = None,
+    undirected: Annotated[bool, typer.Option("--undirected/--directed", help="Store every edge in both directions "
+                                             "(default: both layouts hold undirected graphs); --directed keeps the "
+                                             "edges as the file lists them.")] = True,
+    feature_format: Annotated[RequestedFormat, typer.Option(help="How features are stored: sparse or dense; auto "
+                                                                 "stores them sparse at density <= 0.1.")] = "auto",
+    train_frac: TrainFrac = 0.6,
+    val_frac: ValFrac = 0.2,
+    split_seed: SplitSeed = 0,
+    force: ForceOption = False,
+    store: StoreOption = None,
+) -> None:
+    """Ingest an .npz graph (heterophilous-graphs or gnn-benchmark layout), or a .zip holding one.
+
+    Keys node_features, node_labels, edges and optional train_masks / val_masks / test_masks (heterophilous-graphs),
+    or CSR adj_*, attr_* (or attr_matrix) and labels (gnn-benchmark). Node ids are the rows 0..N-1; edges are stored
+    in both directions unless --directed; feature values are kept as the file gives them. A file without split
+    masks gets a stratified split."""
+    st = open_store(store)
+    fractions = SplitFractions(train=train_frac, val=val_frac, seed=split_seed)
+    show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force))
     refresh_catalog(st)
 
 
