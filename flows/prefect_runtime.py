@@ -9,8 +9,9 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
   time>``). Before a new flow runs, flow runs of this host still ``RUNNING`` whose process is gone
   (killed with SIGKILL, or the machine lost power) are set to ``Crashed``. A run interrupted by
   SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
-- The temporary API server is a child process that Prefect stops when this process exits; a
-  ``runner.descendant_guard`` stops it (and any other descendant) when this process is killed.
+- The temporary API server is a child process that Prefect stops when this process exits; this
+  process's ``runner.descendant_guard`` stops it (and any other descendant) when this process is
+  killed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import psutil
 
 from graphstore.errors import RetexoError
-from runner.descendant_guard import start_guard
+from runner.descendant_guard import guard_descendants
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
     import httpx
     from prefect import tags
 
-    start_guard()
+    guard_descendants()
     try:
         mark_orphaned_flow_runs()
         with tags(process_tag()):

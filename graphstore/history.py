@@ -5,11 +5,12 @@ changed, and read by the catalog's ``run_history`` view, so the catalog holds vi
 status is its last event.
 
 A run is never left ``started`` for good: while a process trains a run it holds a shared flock
-on the run's lock file (``.locks/run-<fp>.lock``, ``hold_run``). A run whose last event is
-``started`` while nobody holds that lock lost its launcher (killed, machine lost): the next run
-of it and ``retexo store gc`` record ``interrupted`` for it (``mark_abandoned``), as does a
-worker whose launcher died under it (with its own detail). The check takes the lock exclusively,
-so it never races a launcher that is recording its own last event.
+on the run's lock file (``.locks/run-<fp>.lock``, ``hold_run``), and so do the worker processes
+of its launch. A run whose last event is ``started`` while nobody holds that lock lost its launcher
+(killed, machine lost): the launcher's guard (``runner.descendant_guard``, as soon as the launcher
+and its workers are gone), the next run of it and ``retexo store gc`` record ``interrupted`` for it
+(``mark_abandoned``). The check takes the lock exclusively (``run_unheld``), so it never races a
+launcher that is recording its own last event, nor a worker that is still writing.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def run_lock_path(store: Store, run: str) -> Path:
 
 @contextmanager
 def hold_run(store: Store, run: str) -> Iterator[None]:
-    """Hold the run's lock (shared: identical runs may train side by side) while training it.
-    The kernel drops the lock when the process dies, however it dies."""
+    """Hold the run's lock (shared: identical runs may train side by side) while training it: the
+    launcher, and each worker process of its launch for its whole life. The kernel drops the lock
+    when the process dies, however it dies."""
     with open(run_lock_path(store, run), "a+") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
         try:
@@ -76,21 +78,37 @@ def hold_run(store: Store, run: str) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+@contextmanager
+def run_unheld(store: Store, run: str, wait_s: float = 0.0) -> Iterator[bool]:
+    """Take the run's lock exclusively, which succeeds only while no process holds the run
+    (``hold_run``), trying for up to ``wait_s`` seconds; yields whether it did. While it is
+    taken, nobody can start training the run."""
+    with open(run_lock_path(store, run), "a+") as handle:
+        if not flock_within(handle, wait_s):
+            yield False  # somebody is training the run right now
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def mark_if_started(store: Store, run: str, detail: str) -> bool:
+    """Record ``interrupted`` (with ``detail``) if the run's last event is ``started``; True when
+    it did. The caller holds ``run_unheld``."""
+    last = last_event(store, run)
+    if last is None or last["event"] != "started":
+        return False
+    record_run_event(store, run, "interrupted", detail)
+    return True
+
+
 def mark_abandoned(store: Store, run: str, detail: str = ABANDONED, wait_s: float = 0.0) -> bool:
     """Record ``interrupted`` (with ``detail``) for ``run`` if its last event is ``started`` and no
     process holds the run (``hold_run``); True when it did. ``wait_s``: keep trying this long (s)
-    to take the run's lock, for a caller that knows its holder is dying right now."""
-    with open(run_lock_path(store, run), "a+") as handle:
-        if not flock_within(handle, wait_s):
-            return False  # somebody is training the run right now
-        try:
-            last = last_event(store, run)
-            if last is None or last["event"] != "started":
-                return False
-            record_run_event(store, run, "interrupted", detail)
-            return True
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    to take the run's lock, for a caller that knows its holders are dying right now."""
+    with run_unheld(store, run, wait_s) as unheld:
+        return unheld and mark_if_started(store, run, detail)
 
 
 def mark_abandoned_runs(store: Store) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from graphstore.atomic import lock_is_free, temp_sibling, writer_lock
 from graphstore.errors import StoreError
-from graphstore.history import mark_abandoned_runs
+from graphstore.history import mark_abandoned_runs, mark_if_started, run_unheld
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
 from graphstore.manifests import read_any_manifest
 from graphstore.integrity import ArtefactCheck, artefact_files, check_folder, manifest_stamp
@@ -48,11 +48,13 @@ def list_artefacts(store: Store) -> list[Artefact]:
     return sorted(found, key=lambda a: (order.get(a.kind, 9), a.created_at, str(a.path)))
 
 
-def stale_temp_paths(store: Store) -> list[Path]:
-    """Temp folders/files of writers that are no longer running (their target's lock is free)."""
+def stale_temp_paths(store: Store, under: Path | None = None) -> list[Path]:
+    """Temp folders/files of writers that are no longer running (their target's lock is free), in
+    the whole store or ``under`` one of its folders."""
     stale = []
-    for path in sorted(store.root.glob(f"**/{TMP_PREFIX}*")):
-        if any(part.startswith(TMP_PREFIX) for part in path.relative_to(store.root).parts[:-1]):
+    top = store.root if under is None else under
+    for path in sorted(top.glob(f"**/{TMP_PREFIX}*")):
+        if any(part.startswith(TMP_PREFIX) for part in path.relative_to(top).parts[:-1]):
             continue  # inside another temp folder: removed with it
         target_name = path.name[len(TMP_PREFIX):].rsplit("-", 2)[0]
         if lock_is_free(store, path.parent / target_name):
@@ -64,15 +66,32 @@ def garbage_collect(store: Store) -> tuple[list[tuple[Path, int]], list[str]]:
     """Remove stale temp folders and files, after marking ``interrupted`` the runs left ``started``
     by a launcher that is gone; returns (path, bytes freed) of each removal, and the marked runs."""
     marked = mark_abandoned_runs(store)
+    return remove_paths(stale_temp_paths(store)), marked
+
+
+def remove_paths(paths: list[Path]) -> list[tuple[Path, int]]:
+    """Remove each folder or file; (path, bytes freed) of each."""
     removed = []
-    for path in stale_temp_paths(store):
+    for path in paths:
         size = folder_bytes(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
         removed.append((path, size))
-    return removed, marked
+    return removed
+
+
+def finish_abandoned_run(store: Store, run: str, detail: str, wait_s: float) -> tuple[bool, list[Path]]:
+    """Once no process holds ``run`` any more (its launcher died, and the launcher's workers, which
+    exit at once then, are gone; trying for up to ``wait_s`` seconds): record ``interrupted``
+    (with ``detail``) if its last event is ``started``, and remove the temp folders and files in
+    its folder. Returns (marked, removed paths); (False, []) when the run is still held."""
+    with run_unheld(store, run, wait_s) as unheld:
+        if not unheld:
+            return False, []
+        marked = mark_if_started(store, run, detail)
+        return marked, [path for path, _ in remove_paths(stale_temp_paths(store, store.run_dir(run)))]
 
 
 @dataclass(frozen=True)

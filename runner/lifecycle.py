@@ -12,7 +12,9 @@ to train and then looks at them again; a layer that another run committed meanwh
 ``cached`` and not trained again (nothing is launched when all are). While node 0 trains a run it
 holds the run (``graphstore.history.hold_run``); a run left ``started`` by a launcher that is gone
 is first marked ``interrupted`` ("abandoned"). Interrupts (Ctrl-C, SIGTERM through the CLI, a
-Prefect termination) are recorded as ``interrupted``, errors as ``failed``.
+Prefect termination) are recorded as ``interrupted``, errors as ``failed``; the run of a launcher
+killed outright (SIGKILL) is recorded ``interrupted`` by the launcher's guard process
+(``runner.descendant_guard``) once its workers are gone.
 
 Every entry point calls this module: ``retexo train``, ``retexo worker`` (one node of several),
 the Prefect train task and the benchmarks.
@@ -42,6 +44,7 @@ from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
+from runner.descendant_guard import guard_run
 from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
                            run_workers)
@@ -192,7 +195,7 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
                 whole_graph=plan.whole_graph, config=plan.config, network=plan.network, stages=stages,
                 world=plan.world, error_dir=error_dir, master_addr=launch.master_addr, master_port=port,
                 threads=default_threads(len(ranks)), audit_dir=launch.audit_dir, refresh_dirs=refresh,
-                launcher_hosts_rendezvous=plan.config.tolerate_failures, site=plan.site is not None,
+                launcher_hosts_rendezvous=plan.config.tolerate_failures, site=plan.site is not None, holds_run=host,
             )
             try:
                 dropped = run_workers(job, ranks, host=launch.node_rank == 0, launcher=launch.launcher, watch=watch)
@@ -263,7 +266,9 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     Node 0 holds the run while it trains it and records its events: ``started``; then
     ``completed``, ``failed`` (an error) or ``interrupted`` (KeyboardInterrupt, SIGTERM through
     the CLI, a Prefect termination: any BaseException that is not an Exception). A run whose last
-    event is ``started`` but which no process holds is marked ``interrupted`` first.
+    event is ``started`` but which no process holds is marked ``interrupted`` first. If this
+    process is killed (SIGKILL included), its guard (``runner.descendant_guard.guard_run``) records
+    ``interrupted`` and removes the run's temp folders once the workers are gone.
     """
     host = keeps_store(plan, launch)
     run_dir = plan.store.run_dir(plan.run_fp)
@@ -277,7 +282,7 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     if not host:
         return None, ensure_layers(plan, launch, on_layer, on_round)
     mark_abandoned(plan.store, plan.run_fp)  # left "started" by a launcher that is gone
-    with hold_run(plan.store, plan.run_fp):
+    with guard_run(plan.store, plan.run_fp), hold_run(plan.store, plan.run_fp):
         record_run_event(plan.store, plan.run_fp, "started", plan.config.strategy)
         try:
             progress = ensure_layers(plan, launch, on_layer, on_round)

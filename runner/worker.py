@@ -5,12 +5,15 @@ this rank's partition, and let ``retexo_core.stages`` train the launch's layers.
 A worker reads only ``part=<rank>`` of the partition (plus the partition manifest) and its own rows
 of earlier layers; everything else arrives through the communicator and is counted.
 
-A spawned worker never outlives its launcher (``LauncherWatch``): a daemon thread waits on the
-launcher's ``multiprocessing`` sentinel (it closes when the launcher process dies, whichever of
-its threads started the worker) and ends the worker at once with ``os._exit``, committing
-nothing; rank 0 first records the run ``interrupted`` and removes the launch's temp folders. A
-layer is also never committed once the launcher is gone (``ensure_launcher_alive``, called by
-``RunFolder.commit_layer`` just before the commit).
+A spawned worker never outlives its launcher (``LauncherWatch``): the kernel kills it when the
+launcher dies (``PR_SET_PDEATHSIG``), and a daemon thread waits on the launcher's
+``multiprocessing`` sentinel (it closes when the launcher process dies, whichever of its threads
+started the worker) and ends the worker at once with ``os._exit``, committing nothing. A layer is
+also never committed once the launcher is gone (``ensure_launcher_alive``, called by
+``RunFolder.commit_layer`` just before the commit). The workers of the launcher that keeps the
+run's store hold the run (``graphstore.history.hold_run``) for their whole life, so the launcher's
+guard (``runner.descendant_guard``), which records the run ``interrupted`` and removes the
+launch's temp folders when the launcher is killed, does so once every worker is gone.
 
 For the launcher's hang watch (``runner.launch``) every worker leaves files in the launch's
 ``error_dir``: ``rank-<r>.started`` (its pid), ``.joining`` (it reached the rendezvous),
@@ -26,21 +29,20 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from typing import TYPE_CHECKING, Literal, NoReturn
 
-from graphstore.history import mark_abandoned
+from graphstore.history import hold_run
 from graphstore.layout import Store
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
@@ -70,6 +72,7 @@ class WorkerJob:
     threads: int = 1
     audit_dir: str | None = None
     launcher_hosts_rendezvous: bool = False  # else rank 0 hosts it (the launcher then needs no torch)
+    holds_run: bool = False  # the launcher keeps the run's store: each worker process holds the run too
     refresh_dirs: tuple[str, ...] = field(default_factory=tuple)  # grappa: partitions of refresh periods 1, 2, ...
     site: bool = False  # one site of several, each with its own store: source_dir is its site partition
 
@@ -107,28 +110,24 @@ def ensure_launcher_alive() -> None:
 class LauncherWatch:
     """Ends a spawned worker as soon as its launcher process is gone (see the module docstring).
 
-    Every worker waits on the launcher's sentinel in a daemon thread. Rank 0 (node 0's lowest
-    rank, whose launcher records the run's events) then marks the run ``interrupted`` unless
-    another process holds it, and removes the launch's temp folders. The other ranks also ask
-    the kernel for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG``, Linux): unlike the
-    thread, that also ends a worker that is stopped or stuck without the GIL. It fires when the
-    launcher *thread* that spawned the worker exits, which is safe here because ``run_workers``
-    starts and waits for its workers in one thread; rank 0 does without it, since a SIGKILL
-    would stop it before it records the event, and so does every site's rank (each records its
-    own site's run).
+    Every worker asks the kernel for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG``, Linux),
+    which also ends a worker that is stopped or stuck without the GIL; it fires when the launcher
+    *thread* that spawned the worker exits, which is safe here because ``run_workers`` starts and
+    waits for its workers in one thread. A daemon thread waits on the launcher's sentinel as
+    well (where PDEATHSIG is missing, or the launcher died before it was set). Recording the run
+    ``interrupted`` and removing the temp folders is the launcher's guard's job, once the
+    workers are gone: a worker does neither.
     """
 
     def __init__(self, job: WorkerJob, rank: int):
         self.job = job
         self.rank = rank
         self.parent = mp.parent_process()
-        self.lock = threading.Lock()
 
     def start(self) -> None:
         if self.parent is None:
             return
-        if self.rank != 0 and not self.job.site:
-            die_with_parent_thread()
+        die_with_parent_thread()
         threading.Thread(target=self._wait, name="retexo-launcher-watch", daemon=True).start()
 
     def _wait(self) -> None:
@@ -140,17 +139,10 @@ class LauncherWatch:
             self.launcher_gone()
 
     def launcher_gone(self) -> NoReturn:
-        with self.lock:  # the watch thread and the main thread may both get here; one exits
-            try:
-                if self.rank == 0 or self.job.site:  # the rank whose launcher records the run's events
-                    mark_abandoned(Store(Path(self.job.store_root)), self.job.run_fp,
-                                   f"the launcher (pid {self.parent.pid}) died; workers stopped",  # type: ignore[union-attr]
-                                   wait_s=2.0)  # its lock is released while it exits
-                    for stage in self.job.stages:
-                        shutil.rmtree(stage.temp, ignore_errors=True)
-                logging.getLogger("retexo.worker").error("rank %d: the launcher died; stopping", self.rank)
-            finally:
-                os._exit(ORPHANED_EXIT)
+        try:
+            logging.getLogger("retexo.worker").error("rank %d: the launcher died; stopping", self.rank)
+        finally:
+            os._exit(ORPHANED_EXIT)
 
 
 _WATCH: LauncherWatch | None = None  # set in spawned workers only
@@ -318,7 +310,15 @@ def install_open_audit(job: WorkerJob) -> list[str]:
 
 def process_main(job: WorkerJob, rank: int) -> None:
     """Entry point of a spawned worker process (torchrun-style env: RANK, WORLD_SIZE, MASTER_*).
-    The launcher watch and the heartbeat start before torch is imported (seconds)."""
+    It holds the run first (``WorkerJob.holds_run``), so that its launcher's guard never finds
+    the run unheld while this process may still write to the store."""
+    with hold_run(Store(Path(job.store_root)), job.run_fp) if job.holds_run else nullcontext():
+        train_in_process(job, rank)
+
+
+def train_in_process(job: WorkerJob, rank: int) -> None:
+    """The worker process's work; the launcher watch and the heartbeat start before torch is
+    imported (seconds)."""
     global _WATCH
     _WATCH = LauncherWatch(job, rank)
     _WATCH.start()
