@@ -6,15 +6,20 @@ fingerprint: a second identical run recomputes nothing and reports each stage as
 that failed resumes at the first unfinished layer. With ``promotion.pipeline`` set, the new run is
 judged against the pipeline's promoted model (``tasks.promote``); a refused run ends the flow run
 in state Failed (its summary is the state's data), so a scheduled retraining that did not deliver
-a model is visible as such.
+a model is visible as such. A Prefect API lost meanwhile stops none of this work (artifacts are
+best-effort, ``tasks.best_effort``); what the flow completed is noted for the command to say
+(``flows.prefect_runtime.note_outcome``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from flows.params import PipelineParams, RunParams, baseline_params
+from flows.prefect_runtime import note_outcome, untagged_tasks
 from flows.train import train_and_report
 from graphstore.errors import StoreError
 from graphstore.layout import Store
@@ -41,8 +46,23 @@ def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParam
     return run.model_copy(update={"train": train})
 
 
+def completed_text(store_root: str, summary: dict[str, object]) -> str:
+    """What the pipeline completed, in one clause: the run, where it is, its report."""
+    run = str(summary["run"])
+    text = f"the pipeline completed: run {run} is in {Store(Path(store_root)).run_dir(run)} (report {summary['report']})"
+    if "promotion" in summary:
+        text += f", promotion gate: {summary['promotion']['decision']}"  # type: ignore[index]
+    return text
+
+
 @flow(name="pipeline")
 def pipeline_flow(params: PipelineParams) -> dict[str, object] | State:
+    with untagged_tasks():
+        return run_pipeline(params)
+
+
+def run_pipeline(params: PipelineParams) -> dict[str, object] | State:
+    """The pipeline flow's body (see the module docstring)."""
     logger = get_run_logger()
     store_root = str(Store.open(params.store).root)
     dataset = ingest_task(store_root, params.dataset)  # type: ignore[arg-type]
@@ -65,6 +85,7 @@ def pipeline_flow(params: PipelineParams) -> dict[str, object] | State:
         summary["promotion"] = decision
     for stage, status in stages.items():
         logger.info("%-10s %s", stage, status)
+    note_outcome(completed_text(store_root, summary))
     if stages.get("promote") == "refused":
         return Failed(message=f"not promoted: {summary['promotion']['reason']}", data=summary)  # type: ignore[index]
     return summary

@@ -9,6 +9,10 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
   time>``). Before a new flow runs, flow runs of this host still ``RUNNING`` whose process is gone
   (killed with SIGKILL, or the machine lost power) are set to ``Crashed``. A run interrupted by
   SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
+- An API lost while the flow runs (its server died) stops none of the flow's work: reports to it
+  are best-effort (``tasks.best_effort``) and the work is recorded in the store. The flow run's
+  final state can then not be recorded: one line says so and what the flow completed
+  (``PrefectApiLost``, exit code 2), seconds after the work ends.
 - The temporary API server is a child process that Prefect stops when this process exits; this
   process's ``runner.descendant_guard`` stops it (and any other descendant) when this process is
   killed.
@@ -19,13 +23,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
 
 from graphstore.errors import RetexoError
 from runner.descendant_guard import guard_descendants
+from tasks.best_effort import api_lost, is_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,10 @@ PROCESS_TAG = "retexo-process"
 
 class PrefectUnavailable(RetexoError):
     """The Prefect API could not be reached or started."""
+
+
+class PrefectApiLost(PrefectUnavailable):
+    """The Prefect API went away while a flow ran here: the flow run's state was not recorded."""
 
 
 def process_tag(pid: int | None = None) -> str:
@@ -86,20 +96,79 @@ def prepare_environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no banner, no calls out
 
 
+@contextmanager
+def untagged_tasks() -> Iterator[None]:
+    """Inside a flow run started here: the task runs it starts do not carry the process tag, which
+    only the flow run needs. (Prefect asks the API for a tagged task run's concurrency slots before
+    it starts, which would fail every task once the API is lost.)"""
+    from prefect.context import TagsContext
+
+    current = TagsContext.get().current_tags
+    with TagsContext(current_tags={t for t in current if not t.startswith(f"{PROCESS_TAG}:")}):
+        yield
+
+
+_outcome: str | None = None
+
+
+def note_outcome(text: str) -> None:
+    """What the flow running here has completed, in words: ``run_flow_here`` says it if the Prefect
+    API is lost before the flow's state is recorded."""
+    global _outcome
+    _outcome = text
+
+
+def api_location() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or "the temporary server"
+
+
 def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
     """Run ``flow(*args)`` in this process and return its final state (``return_state=True``).
 
     Orphaned flow runs are marked first; a Prefect API that cannot be started or reached is a
-    ``PrefectUnavailable`` with one line of advice instead of a traceback.
+    ``PrefectUnavailable`` with one line of advice instead of a traceback. An API lost while the
+    flow runs does not stop its work (``tasks.best_effort``), but the flow run's state can then not
+    be recorded: a ``PrefectApiLost`` says so, and what the flow completed (``note_outcome``).
     """
-    import httpx
     from prefect import tags
 
+    global _outcome
     guard_descendants()
+    _outcome = None
+    reach_api(mark_orphaned_flow_runs)
     try:
-        mark_orphaned_flow_runs()
         with tags(process_tag()):
             return flow(*args, return_state=True)
+    except Exception as exc:
+        if api_lost() is None and not is_unreachable(exc):
+            raise
+        raise PrefectApiLost(api_lost_message(api_lost() or exc, exc)) from None
+
+
+def api_lost_message(cause: BaseException, raised: BaseException) -> str:
+    """One line: the API was lost (``cause``), and what the flow completed or why it failed (the
+    error that the failed state update of the flow run hides in ``raised``'s context)."""
+    if _outcome is not None:
+        done = _outcome
+    else:
+        failure: BaseException | None = raised
+        while failure is not None and is_unreachable(failure):
+            failure = failure.__context__
+        why = "" if failure is None else f" ({type(failure).__name__}: {' '.join(str(failure).split())[:300]})"
+        done = f"the flow did not complete{why}; what it committed stays in the store, and running it again resumes there"
+    return (f"the Prefect API at {api_location()} was lost while the flow ran ({str(cause) or type(cause).__name__}), "
+            f"so the flow run's state was not recorded; {done}")
+
+
+def reach_api(first_call: Callable[[], Any]) -> None:
+    """``first_call()``, the first use of the Prefect API here (it starts the temporary server when
+    no PREFECT_API_URL is set); one line of advice when the API cannot be started or reached."""
+    import httpx
+
+    try:
+        first_call()
     except RuntimeError as exc:
         if "ephemeral Prefect API server" not in str(exc):
             raise

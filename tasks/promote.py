@@ -23,6 +23,7 @@ from graphstore.manifests import RunManifest, utc_now
 from graphstore.promotion import PromotionOptions, PromotionRecord, latest_decision, passes_gate, record_decision
 from retexo_core.config import WARM_STARTABLE, TrainConfig
 from runner.lifecycle import run_training
+from tasks.best_effort import report
 
 
 def evaluate_incumbent(params: RunParams, incumbent: RunManifest) -> RunManifest:
@@ -83,7 +84,7 @@ def promote_task(params: RunParams, gate: PromotionOptions, run: str) -> dict[st
     record = decide(params, gate, completed_run(store, run))
     record_decision(store, record)
     key = "promotion-" + re.sub(r"[^a-z0-9-]", "-", record.pipeline.lower())
-    create_markdown_artifact(decision_markdown(record), key=key,
-                             description=f"promotion gate: {record.decision}")
+    report(create_markdown_artifact, decision_markdown(record), key=key,
+           description=f"promotion gate: {record.decision}")
     get_run_logger().info("promotion gate of %s: %s (%s)", record.pipeline, record.decision, record.reason)
     return record.model_dump()

@@ -1,7 +1,8 @@
 """Training and reporting tasks. One task owns a whole run: every pending layer is trained in one
 launch of the process group (the lifecycle in ``runner.lifecycle``), and the flow hears of each
 layer as it is committed (a progress artifact and a log line per layer), and draws one progress
-bar per layer from rank 0's rounds. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
+bar per layer from rank 0's rounds. Artifacts are best-effort (``tasks.best_effort``): a lost
+Prefect API never fails the training, which completes and is finalised from the store. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
 out of the console and the flow log. A retried task resumes from the store at the first
 unfinished layer."""
 
@@ -18,6 +19,7 @@ from graphstore.layout import is_complete
 from graphstore.report import write_report
 from runner.lifecycle import LayerProgress, run_training
 from runner.plan import RunPlan, layer_state
+from tasks.best_effort import report
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -29,12 +31,13 @@ def train_task(plan: RunPlan) -> dict[str, object]:
     """
     logger = get_run_logger()
     already = is_complete(plan.store.run_dir(plan.run_fp)) and all(layer_state(plan, l) == "done" for l in plan.layers)
-    progress_id = create_progress_artifact(0.0, key=f"train-progress-{plan.run_fp}",
-                                           description=f"layers finished of run {plan.run_fp}")
+    progress_id = report(create_progress_artifact, 0.0, key=f"train-progress-{plan.run_fp}",
+                         description=f"layers finished of run {plan.run_fp}")
 
     with training_bars() as (show_layer, show_round):
         def on_layer(item: LayerProgress) -> None:
-            update_progress_artifact(progress_id, 100.0 * item.layer / plan.config.layers)
+            if progress_id is not None:
+                report(update_progress_artifact, progress_id, 100.0 * item.layer / plan.config.layers)
             logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
             show_layer(item)
 
@@ -50,16 +53,17 @@ def train_task(plan: RunPlan) -> dict[str, object]:
 def report_task(plan: RunPlan) -> dict[str, object]:
     """Markdown report (with the accuracy-vs-bytes plot inline) and a metrics table artifact; the
     report in the store is redrawn only when a run on the same dataset finished after it."""
-    report = write_report(plan.store, plan.run_fp, only_if_stale=True)
-    image = base64.b64encode(report.plot_path.read_bytes()).decode()
-    markdown = report.markdown.replace("(accuracy_vs_bytes.png)", f"(data:image/png;base64,{image})")
-    create_markdown_artifact(markdown, key=f"run-report-{plan.run_fp}", description=f"run {plan.run_fp}")
-    m = report.manifest
-    create_table_artifact(
+    written = write_report(plan.store, plan.run_fp, only_if_stale=True)
+    image = base64.b64encode(written.plot_path.read_bytes()).decode()
+    markdown = written.markdown.replace("(accuracy_vs_bytes.png)", f"(data:image/png;base64,{image})")
+    report(create_markdown_artifact, markdown, key=f"run-report-{plan.run_fp}", description=f"run {plan.run_fp}")
+    m = written.manifest
+    report(
+        create_table_artifact,
         [{"run": plan.run_fp, "dataset": m.dataset_name, "strategy": m.label, "model": m.model,
           "parts": m.parts, "split": r["split"], "accuracy": r["accuracy"], "macro_f1": r["macro_f1"],
           "total_bytes": m.total_bytes, "sim_comm_s": m.sim_comm_s} for r in m.evaluation],
         key=f"run-metrics-{plan.run_fp}", description="metrics per split",
     )
-    get_run_logger().info("report written to %s (plot %s)", report.report_path, report.plot_path)
-    return {"report": str(report.report_path), "plot": str(report.plot_path)}
+    get_run_logger().info("report written to %s (plot %s)", written.report_path, written.plot_path)
+    return {"report": str(written.report_path), "plot": str(written.plot_path)}
