@@ -1,10 +1,10 @@
 """Training and reporting tasks. One task owns a whole run: every pending layer is trained in one
 launch of the process group (the lifecycle in ``runner.lifecycle``), and the flow hears of each
 layer as it is committed (a progress artifact and a log line per layer), and draws one progress
-bar per layer from rank 0's rounds. Artifacts are best-effort (``tasks.best_effort``): a lost
-Prefect API never fails the training, which completes and is finalised from the store. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
+bar per layer from rank 0's rounds. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
 out of the console and the flow log. A retried task resumes from the store at the first
-unfinished layer."""
+unfinished layer. Artifacts are best-effort (``tasks.best_effort``): a lost Prefect API never
+fails the training, which completes and is finalised from the store."""
 
 from __future__ import annotations
 
