@@ -1,13 +1,15 @@
 """``retexo sql``: read-only SQL over the store's views, on a connection that can read the store and
 nothing else.
 
-``query`` refuses anything but ``SELECT`` (and ``EXPLAIN`` of one) before it runs
+``open_query`` refuses anything but ``SELECT`` (and ``EXPLAIN`` of one) before it runs
 (``check_read_only``), refuses a store that holds a symbolic link (``refuse_links_out``), then
 opens a fresh in-memory DuckDB connection, locks it down (``graphstore.catalog.lock_down``: only
 files under the store root, no network, no extensions, a memory limit, configuration locked),
 creates the views the query reads (``graphstore.catalog.create_views``) and runs the query under
-a time limit (``connection.interrupt()`` from a timer). It never opens ``catalog.duckdb``, so it
-neither waits for nor blocks a writer. Every DuckDB error becomes one line (``_explain``).
+a time limit (``connection.interrupt()`` from a timer). Its rows stream: fetched ``BATCH_ROWS`` at
+a time, so a result of any length goes out in bounded memory (``query`` lists them, for small
+results). It never opens ``catalog.duckdb``, so it neither waits for nor blocks a writer. Every
+DuckDB error becomes one line (``_explain``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -160,11 +165,65 @@ def _missing_view(exc: duckdb.Error, created: set[str]) -> bool:
     return found is not None and found.group(1).lower() in VIEW_NAMES and found.group(1).lower() not in created
 
 
-def query(store: Store, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[str], list[tuple[object, ...]]]:
-    """Run read-only SQL over the store's views; returns (column names, rows).
+BATCH_ROWS = 2048  # rows fetched from DuckDB at a time: what the caller holds of a result
 
-    A fresh in-memory connection, locked down to the store root (``lock_down``), with the views
-    the query reads; stopped after ``timeout`` seconds (building the views included).
+
+@dataclass
+class QueryResult:
+    """A running query: its column names and its rows, fetched ``BATCH_ROWS`` at a time."""
+
+    columns: list[str]
+    _result: duckdb.DuckDBPyConnection
+    _store: Store
+    _expired: threading.Event
+    _timeout: float
+
+    def rows(self) -> Iterator[tuple[object, ...]]:
+        """The rows in order; a DuckDB error while fetching becomes one line (``_explain``)."""
+        while True:
+            try:
+                batch = self._result.fetchmany(BATCH_ROWS)
+            except duckdb.Error as exc:
+                raise _explain(exc, self._store, self._expired.is_set(), self._timeout) from exc
+            if not batch:
+                return
+            yield from batch
+
+
+@contextmanager
+def _timed_connection(timeout: float) -> Iterator[tuple[duckdb.DuckDBPyConnection, threading.Event]]:
+    """A fresh in-memory connection, interrupted (again and again) once ``timeout`` seconds have
+    passed, closed on exit; yields it and the event that says the time ran out."""
+    con = duckdb.connect(":memory:")
+    expired, finished = threading.Event(), threading.Event()
+
+    def stop() -> None:
+        expired.set()
+        while True:  # again and again: an interrupt between two statements would be lost
+            con.interrupt()
+            if finished.wait(0.05):
+                return
+
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield con, expired
+    finally:
+        finished.set()
+        timer.cancel()
+        timer.join()
+        con.close()
+
+
+@contextmanager
+def open_query(store: Store, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[QueryResult]:
+    """Run read-only SQL over the store's views; yields the running query, whose rows stream.
+
+    A fresh in-memory connection, locked down to the store root (``lock_down``: DuckDB holds at
+    most ``query_memory_limit``), with the views the query reads; stopped after ``timeout``
+    seconds (building the views and reading the rows included). The caller holds one batch of
+    rows at a time, so a result of any length is written out in bounded memory.
     """
     check_read_only(sql)
     if not timeout > 0:
@@ -172,35 +231,23 @@ def query(store: Store, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[l
     refuse_links_out(store)
     every_view = False
     while True:
-        con = duckdb.connect(":memory:")
-        expired, finished = threading.Event(), threading.Event()
+        with _timed_connection(timeout) as (con, expired):
+            names: set[str] = set()
+            try:
+                lock_down(con, store.root)
+                names = set(VIEW_NAMES) if every_view else referenced_views(con, sql)
+                create_views(con, store, names)
+                result = con.execute(sql)
+            except duckdb.Error as exc:
+                if not every_view and not expired.is_set() and _missing_view(exc, names):
+                    every_view = True  # a view named only at run time (``query('FROM ' || ...)``)
+                    continue
+                raise _explain(exc, store, expired.is_set(), timeout) from exc
+            yield QueryResult([d[0] for d in result.description or []], result, store, expired, timeout)
+            return
 
-        def stop(con: duckdb.DuckDBPyConnection = con, expired: threading.Event = expired,
-                 finished: threading.Event = finished) -> None:
-            expired.set()
-            while True:  # again and again: an interrupt between two statements would be lost
-                con.interrupt()
-                if finished.wait(0.05):
-                    return
 
-        timer = threading.Timer(timeout, stop)
-        timer.daemon = True
-        timer.start()
-        names: set[str] = set()
-        try:
-            lock_down(con, store.root)
-            names = set(VIEW_NAMES) if every_view else referenced_views(con, sql)
-            create_views(con, store, names)
-            result = con.execute(sql)
-            columns = [d[0] for d in result.description or []]
-            return columns, result.fetchall()
-        except duckdb.Error as exc:
-            if not every_view and not expired.is_set() and _missing_view(exc, names):
-                every_view = True  # a view named only at run time (``query('FROM ' || ...)``)
-                continue
-            raise _explain(exc, store, expired.is_set(), timeout) from exc
-        finally:
-            finished.set()
-            timer.cancel()
-            timer.join()
-            con.close()
+def query(store: Store, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[str], list[tuple[object, ...]]]:
+    """``open_query`` with every row in a list: (column names, rows), for results known to be small."""
+    with open_query(store, sql, timeout) as result:
+        return result.columns, list(result.rows())
