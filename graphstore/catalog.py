@@ -10,14 +10,19 @@ Every view is built by one function, ``create_views``, in two places:
   with the duckdb CLI or Python. Readers holding the old file keep it; nothing waits on a DuckDB lock.
   A failure there is logged, never raised: the data is already committed.
 
+The views' paths are absolute (DuckDB resolves a relative path against the client's working
+directory, not the database file's folder), and the catalog records the store root they start
+with (table ``catalog_info``). A store copied, moved or mounted elsewhere is found by the next
+``retexo`` command that opens it (``refresh_if_moved``), which rewrites the catalog for its new root.
+
 A view is built over the list of files that exist when it is created (hidden names such as
 writers' ``.tmp-*`` excluded), so the catalog file shows the files of its last refresh. A view
 with no file is an empty view with the same columns, so users' SQL never breaks on an empty
 store. A file that cannot be read (Parquet footer or schema, malformed manifest JSON) makes its
 view an *unreadable* view: same columns, and reading it fails with one line naming the file, so
 corruption in one place breaks only the queries that read it. Run history is files too
-(``graphstore.history``), so the catalog holds views only. Column names are a contract: add, never
-rename.
+(``graphstore.history``), so the catalog holds views only (and ``catalog_info``). Column names are
+a contract: add, never rename.
 """
 
 from __future__ import annotations
@@ -348,11 +353,14 @@ def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
 # --------------------------------------------------------------------------- the persistent catalog
 
 
-def refresh_catalog(store: Store) -> None:
-    """Write every view into a new ``catalog.duckdb`` (a temp file renamed into place).
+CATALOG_INFO = "catalog_info"  # the catalog's one table: the store root its views were written for
 
-    Never raises: a writer calls this after its data is committed, and the catalog is only a
-    convenience for the duckdb CLI (``retexo sql`` builds its views itself). Problems are logged.
+
+def write_catalog(store: Store) -> None:
+    """Write every view into a new ``catalog.duckdb`` (a temp file renamed into place), with the
+    store root the views' paths start with in its table ``catalog_info`` (``store_root``).
+
+    Raises ``duckdb.Error``, ``OSError`` or ``RetexoError`` (nothing is replaced then).
     """
     temp = temp_sibling(store.catalog_path)
     temp_wal = temp.with_name(temp.name + ".wal")
@@ -363,6 +371,7 @@ def refresh_catalog(store: Store) -> None:
                 lock_down(con, store.root)
                 for view, problem in create_views(con, store).items():
                     log.warning("catalog view %s is unreadable: %s", view, problem)
+                con.execute(f"CREATE TABLE {CATALOG_INFO} AS SELECT {_sql_string(str(store.root))} AS store_root")
                 con.execute("CHECKPOINT")
             finally:
                 con.close()
@@ -372,9 +381,75 @@ def refresh_catalog(store: Store) -> None:
             store.catalog_path.with_name(store.catalog_path.name + ".wal").unlink(missing_ok=True)
             os.replace(temp, store.catalog_path)
             fsync_file(store.root)
-    except (duckdb.Error, OSError, RetexoError) as exc:
-        log.warning("the catalog %s was not refreshed (%s); `retexo sql` does not need it", store.catalog_path,
-                    duckdb_reason(exc) if isinstance(exc, duckdb.Error) else exc)
     finally:
         temp.unlink(missing_ok=True)
         temp_wal.unlink(missing_ok=True)
+
+
+def _reason(exc: Exception) -> str:
+    return duckdb_reason(exc) if isinstance(exc, duckdb.Error) else str(exc)
+
+
+def refresh_catalog(store: Store) -> None:
+    """``write_catalog``, never raising: a writer calls this after its data is committed, and the
+    catalog is only a convenience for the duckdb CLI (``retexo sql`` builds its views itself).
+    Problems are logged.
+    """
+    try:
+        write_catalog(store)
+    except (duckdb.Error, OSError, RetexoError) as exc:
+        log.warning("the catalog %s was not refreshed (%s); `retexo sql` does not need it", store.catalog_path,
+                    _reason(exc))
+
+
+def catalog_store_root(store: Store) -> str | None:
+    """The store root ``catalog.duckdb`` was written for: ``""`` for a catalog written before it was
+    recorded, None when there is no catalog or it cannot be opened now (another process holds it)."""
+    if not store.catalog_path.is_file():
+        return None
+    try:
+        con = duckdb.connect(str(store.catalog_path), read_only=True)
+    except duckdb.Error:
+        return None
+    try:
+        lock_down(con, store.root)
+        rows = con.execute(f"SELECT store_root FROM {CATALOG_INFO}").fetchall()
+        return str(rows[0][0]) if rows else ""
+    except duckdb.CatalogException:
+        return ""
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+
+
+@dataclass(frozen=True)
+class CatalogMove:
+    """The catalog named another store root (the store was copied, moved or mounted elsewhere)."""
+
+    old_root: str
+    problem: str | None  # why it could not be rewritten for the store's root now; None: it was
+
+    def message(self, root: Path) -> str:
+        if self.problem is None:
+            return f"catalog.duckdb was written for the store at {self.old_root}; its views now read {root}"
+        return (f"catalog.duckdb was written for the store at {self.old_root} and could not be rewritten for "
+                f"{root} ({self.problem}); `retexo sql` does not need it")
+
+
+def refresh_if_moved(store: Store) -> CatalogMove | None:
+    """Rewrite ``catalog.duckdb`` when its views read another store root than ``store.root``: the
+    views hold absolute paths, which DuckDB resolves the same way from any client and working
+    directory (a relative path would be resolved against the client's working directory, not the
+    database file's folder). None when there is nothing to do."""
+    old_root = catalog_store_root(store)
+    if old_root is None or old_root == str(store.root):
+        return None
+    if not old_root:  # written before the catalog recorded its root: rewritten once, quietly
+        refresh_catalog(store)
+        return None
+    try:
+        write_catalog(store)
+        return CatalogMove(old_root, None)
+    except (duckdb.Error, OSError, RetexoError) as exc:
+        return CatalogMove(old_root, _reason(exc))

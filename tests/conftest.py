@@ -291,9 +291,13 @@ def template_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def store_with_dataset(template_store: Path, tmp_path: Path) -> Iterator[Path]:
-    """A private store that already has a dataset in it (mtimes preserved by the copy)."""
+    """A private store that already has a dataset in it (mtimes preserved by the copy), its
+    catalog written for its own path (a copied catalog names the template's: test_store_moves)."""
+    from graphstore.catalog import refresh_catalog
+
     root = tmp_path / "store"
     shutil.copytree(template_store, root)
+    refresh_catalog(Store.open(root))
     yield root
 
 
