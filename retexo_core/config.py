@@ -77,7 +77,9 @@ class TrainConfig(BaseModel):
         f"GCN: {LAYERWISE_FIRST_LR['gcn']} (see the README's default recipe).", scope="per_layer")
     epochs: int = option(200, "Epochs (steps) of the end-to-end strategies (0 only with warm_start: evaluate "
                          "the warm-start model as it is).", scope="run", strategies=END_TO_END, ge=0)
-    seed: int = option(0, "Training seed.", scope="layer", ge=0)
+    seed: int = option(0, "Training seed, 0 to 2^32-1 (the seeds derived from it, seed x 1000 + layer + "
+                       "7919 x (rank + 1), stay inside torch's range, at most 2^64-1).", scope="layer", ge=0,
+                       le=2**32 - 1)
     sync: Literal["grad", "avg"] = option("grad", "retexo: grad (sum gradients every round) or avg (local steps, "
                                           "model averaging every sync_every rounds).", scope="layer",
                                           strategies=("retexo",))
