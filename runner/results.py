@@ -17,6 +17,7 @@ written is a ``StoreError`` naming it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -47,18 +48,23 @@ if TYPE_CHECKING:
 TRAFFIC = "traffic.json"  # a site run's last layer, at the coordinator: every site's bytes
 PROGRESS_EVERY_S = 0.25  # seconds between two progress files of one rank
 _last_progress: dict[tuple[str, int], float] = {}  # (run, rank) -> when its progress was last written
+_unwritten: dict[tuple[str, int], dict[str, Any]] = {}  # (run, rank) -> its newest progress not written yet
+_best_val: dict[tuple[str, int, int], tuple[int, float | None]] = {}  # (run, layer, rank) -> (done, best val acc)
 
 
 @dataclass(frozen=True)
 class RoundProgress:
     """Where a launch is: ``done`` of ``total`` rounds (epochs) of ``layer`` (0: an end-to-end model)
-    as rank 0 last reported, its global val accuracy, and the bytes every rank has sent so far."""
+    as rank 0 last reported, its last global val accuracy and the best so far (the accuracy of the
+    parameters the layer keeps: ``retexo_core.strategies.common.BestState`` keeps the first best),
+    and the bytes every rank has sent so far."""
 
     layer: int
     done: int
     total: int
     val_acc: float | None
     bytes_sent: int
+    best_val_acc: float | None = None
 
 
 def progress_path(store_root: str, run_fp: str, layer: int, part: int) -> Path:
@@ -79,7 +85,7 @@ def read_progress(store_root: str, run_fp: str, layer: int, world: int) -> Round
         return None
     first = reports[0]
     return RoundProgress(first["layer"], first["done"], first["total"], first["val_acc"],
-                         sum(int(r["bytes_sent"]) for r in reports.values()))
+                         sum(int(r["bytes_sent"]) for r in reports.values()), first.get("best_val_acc"))
 
 
 def clear_progress(store_root: str, run_fp: str) -> None:
@@ -130,6 +136,7 @@ class RunFolder:
 
     def write_part(self, layer: int, part: int, node_id: np.ndarray, outputs: dict[str, np.ndarray],
                    comm: pa.Table) -> None:
+        self._write_progress(part)  # the last rounds, if they came sooner than PROGRESS_EVERY_S (early stop)
         folder = Path(self.stage(layer).temp) / f"part={part}"
         write_embeddings(folder / "embeddings.parquet", node_id, outputs["full"],
                          {v: rows for v, rows in outputs.items() if v != "full"})
@@ -148,18 +155,32 @@ class RunFolder:
         return torch.load(folder / "model.pt", weights_only=True)
 
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
-        """``ResultSink.progress``: this rank's position, in ``progress_path`` (replaced atomically,
-        at most every ``PROGRESS_EVERY_S`` and at the last round), for the launcher's display."""
+        """``ResultSink.progress``: this rank's position and its best val accuracy so far, in
+        ``progress_path`` (replaced atomically, at most every ``PROGRESS_EVERY_S``, at the last
+        round, and when the rank writes its part: ``write_part``), for the launcher's display."""
         now = time.monotonic()
-        key = (self.run_fp, part)
-        if done < total and now - _last_progress.get(key, -PROGRESS_EVERY_S) < PROGRESS_EVERY_S:
+        key, best_key = (self.run_fp, part), (self.run_fp, layer, part)
+        before_done, best = _best_val.get(best_key, (0, None))
+        if done <= before_done:  # the layer starts again (a new attempt of the launch)
+            best = None
+        if val_acc is not None and not math.isnan(val_acc) and (best is None or val_acc > best):
+            best = val_acc
+        _best_val[best_key] = (done, best)
+        _unwritten[key] = {"layer": layer, "done": done, "total": total, "val_acc": val_acc, "best_val_acc": best,
+                           "bytes_sent": bytes_sent}
+        if done == total or now - _last_progress.get(key, -PROGRESS_EVERY_S) >= PROGRESS_EVERY_S:
+            _last_progress[key] = now
+            self._write_progress(part)
+
+    def _write_progress(self, part: int) -> None:
+        """Write this rank's newest unwritten progress, if any."""
+        report = _unwritten.pop((self.run_fp, part), None)
+        if report is None:
             return
-        _last_progress[key] = now
-        path = progress_path(self.store_root, self.run_fp, layer, part)
+        path = progress_path(self.store_root, self.run_fp, report["layer"], part)
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".tmp-{path.name}")
-        temp.write_text(json.dumps({"layer": layer, "done": done, "total": total, "val_acc": val_acc,
-                                    "bytes_sent": bytes_sent}))
+        temp.write_text(json.dumps(report))
         os.replace(temp, path)
 
     def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, table_rows
 from flows.params import PipelineParams
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]
@@ -151,19 +151,23 @@ def test_a_bad_config_fails_before_any_work_naming_the_key(tmp_path: Path, overr
 
 
 def test_the_demo_preset_prints_under_60_lines_and_ends_with_retexo_vs_standard(tmp_path: Path) -> None:
-    """``retexo run configs/cora_gcn.yaml`` on an 80-column console: one bar per layer (and one for
-    the baseline's epochs), the stages, and last the comparison table and the plot; no rank logs."""
+    """``retexo run configs/cora_gcn.yaml`` into a pipe (an 80-column terminal's COLUMNS set): a few
+    progress lines per layer (and for the baseline's epochs) whose best val accuracy is the one the
+    comparison table shows, the stages, and last the comparison table and the plot; no rank logs."""
     store = tmp_path / "store"
     result = run_cli("run", REPO / "configs" / "cora_gcn.yaml", "--set", "train.rounds=20", "--set", "train.epochs=20",
                      store=store, env={"COLUMNS": "80"}, timeout=600)
     assert result.returncode == 0, result.stderr
     lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
     assert len(lines) < 60, "\n".join(lines)
-    assert not any("rank" in line or "round" in line for line in lines), "\n".join(lines)
-    bars = [line.split()[0] + line.split()[1].strip("━") for line in result.stderr.splitlines()
-            if line.startswith(("layer", "epochs"))]
-    assert bars == ["layer1", "layer2", "epochs"], result.stderr
+    assert not any("rank" in line or "round" in line or "…" in line for line in lines), "\n".join(lines)
+    steps = [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith(("layer", "epochs"))]
+    assert list(dict.fromkeys(steps)) == ["layer 1", "layer 2", "epochs"], result.stderr
+    last_best = {step: line.split("best val ")[1].split()[0] for line in result.stderr.splitlines()
+                 for step in ("layer 2", "epochs") if line.startswith(f"{step}: 20/20, best val")}
     tail = result.stdout.splitlines()
     assert tail[-1].startswith("plot:") and Path(tail[-1].split(maxsplit=1)[1]).is_file()
     last_rows = tail[-4:-2]  # the table's two rows, then its bottom border, then the plot
     assert "retexo" in last_rows[0] and "standard" in last_rows[1], "\n".join(tail)
+    table_val = {row[0]: round(float(row[3]), 3) for row in table_rows("\n".join(last_rows))}
+    assert table_val == {"retexo": float(last_best["layer 2"]), "standard": float(last_best["epochs"])}, result.stderr
