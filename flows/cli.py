@@ -4,8 +4,11 @@ never import the training core."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -15,8 +18,8 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from flows.console import err, human_bytes, out, print_table, progress_bars
-from graphstore.catalog import refresh_catalog
-from graphstore.sql_query import DEFAULT_TIMEOUT_S, query
+from graphstore.catalog import refresh_catalog, refresh_if_moved
+from graphstore.sql_query import DEFAULT_TIMEOUT_S, open_query, query
 from graphstore.errors import RetexoError, describe_validation_error
 from graphstore.ingest.api import ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat
@@ -60,8 +63,18 @@ FeatureFormatOption = Annotated[
 ]
 
 
+OPENED_STORES: list[Path] = []  # the roots this command opened, named by an OS error without a file name
+
+
 def open_store(path: Path | None) -> Store:
-    return Store.open(path)
+    """The store at ``path`` (or $RETEXO_STORE, or ./retexo-store). When it was copied, moved or
+    mounted elsewhere, its ``catalog.duckdb`` is rewritten for its path now, and one line says so."""
+    store = Store.open(path)
+    OPENED_STORES.append(store.root)
+    moved = refresh_if_moved(store)
+    if moved is not None:
+        err.print(moved.message(store.root), highlight=False)
+    return store
 
 
 def show_dataset(ref: DatasetRef) -> None:
@@ -216,11 +229,14 @@ def sql_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds.")] = DEFAULT_TIMEOUT_S,
     store: StoreOption = None,
 ) -> None:
-    """Run a read-only SQL query over the store's views; it can read the store's files and nothing else."""
+    """Run a read-only SQL query over the store's views; it can read the store's files and nothing else.
+
+    CSV and JSON stream every row of the result as DuckDB produces it (the process holds one batch
+    of rows at a time); a table shows the first 1000 rows. The time limit covers the whole output."""
     if format not in ("table", "csv", "json"):
         raise RetexoError(f"--format must be table, csv or json, not '{format}'")
-    columns, rows = query(open_store(store), statement, timeout)
-    print_table(None, columns, rows, format)
+    with open_query(open_store(store), statement, timeout) as result:
+        print_table(None, result.columns, result.rows(), format)
 
 
 @store_app.command("ls")
@@ -319,6 +335,32 @@ def main() -> None:
     except ValidationError as exc:
         err.print(f"[bold red]error:[/] {escape(describe_validation_error(exc, 'invalid option'))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise SystemExit(1) from None
+    except OSError as exc:  # a full disk, a read-only or vanished file system, permissions
+        err.print(f"[bold red]error:[/] {escape(os_error_line(exc))}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an operating-system error: what happened and where (the file it names; else the
+    store the command opened, with the free space of its file system)."""
+    what = os.strerror(exc.errno) if exc.errno else str(exc)
+    said = f": {exc.strerror}" if exc.strerror and exc.strerror != what else ""
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    if paths:
+        return f"{what.lower()}: {' -> '.join(paths)}{said}"
+    if not OPENED_STORES:
+        return f"{what.lower()}{said}"
+    root = OPENED_STORES[-1]
+    try:
+        where = f"the store {root} ({human_bytes(shutil.disk_usage(root).free)} free)"
+    except OSError:
+        where = f"the store {root}"
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on device, writing to {where}: free some space, or use a store on another disk (--store)"
+    return f"{what.lower()} in {where}{said}"
 
 
 if __name__ == "__main__":
