@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,3 +26,20 @@ def run_together(commands: list[list[str]], env: dict[str, str], timeout: float,
         for p in procs:
             p.kill()
     return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def cpu_share(node: int, nodes: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that runs emulated node ``node`` of ``nodes`` on its own share of this
+    process's CPUs (at least one; round robin when there are more nodes than CPUs), as a machine of
+    its own would.
+
+    A launcher gives each of its ranks its CPUs divided by its local ranks as torch threads
+    (``runner.launch.default_threads``), and the number of threads decides how torch splits a sum
+    (last-bit differences). Nodes that share this machine's CPUs so give their ranks the threads
+    that ``retexo train`` gives the same ranks on this machine, and they train the same bits.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // nodes)
+    start = node * share % len(cpus)
+    mine = set(cpus[start:start + share])
+    return lambda: os.sched_setaffinity(0, mine)

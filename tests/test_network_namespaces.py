@@ -21,6 +21,7 @@ from conftest import CORA_DIR, cli_env, run_cli, run_together
 from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import Store
 from netns import netns_missing, sites
+from processes import cpu_share
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))]
 TIMEOUT_S = 300
@@ -69,7 +70,8 @@ def test_two_nodes_in_namespaces_train_what_retexo_train_trains(tmp_path: Path) 
         master = hosts[0].address
         nodes = run_together([site.command(sys.executable, "-m", "flows.cli", "worker", str(job), "--nnodes", "2",
                                            "--node-rank", str(k), "--master-addr", master, "--master-port", "29510",
-                                           "--store", str(store)) for k, site in enumerate(hosts)], env, TIMEOUT_S)
+                                           "--store", str(store)) for k, site in enumerate(hosts)], env, TIMEOUT_S,
+                             [cpu_share(k, len(hosts)) for k in range(len(hosts))])
         assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-1500:] for node in nodes]
         shaped = [subprocess.run(site.command("tc", "-s", "qdisc", "show", "dev", "eth0"), capture_output=True,
                                  text=True, timeout=30).stdout for site in hosts]

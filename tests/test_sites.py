@@ -35,6 +35,7 @@ from graphstore.manifests import RunManifest, read_manifest
 from graphstore.parquet_io import features_of, read_table
 from graphstore.runs import read_embeddings
 from netns import netns_missing, sites
+from processes import cpu_share
 from retexo_core.sites import SITE_EPOCH
 
 pytestmark = pytest.mark.slow
@@ -96,7 +97,8 @@ def train_sites(stores: list[Path], audit: Path, port: int, *extra: object) -> l
     with hosts(len(stores)) as made:
         return run_together([host.command(*site_train(s, len(stores), port, stores[s], "--master-addr", made[0].address,
                                                       "--audit-dir", audit / f"site{s}", *extra))
-                             for s, host in enumerate(made)], env, TIMEOUT_S)
+                             for s, host in enumerate(made)], env, TIMEOUT_S,
+                            [cpu_share(s, len(made)) for s in range(len(made))])
 
 
 def site_train(rank: int, world: int, port: int, store: Path, *options: object) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 from conftest import CORA_DIR, REPO, cli_env, run_cli
 from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import Store
+from processes import cpu_share
 from runner.launch import free_port
 from training_helpers import worker_processes
 
@@ -47,8 +48,8 @@ def preset(tmp_path: Path, rounds: str) -> Path:
 
 
 def start_nodes(job: Path, store: Path, max_restarts: int) -> list[subprocess.Popen[str]]:
-    """Two torchrun agents, one per "node", meeting at a c10d rendezvous on 127.0.0.1; the ranks'
-    process group forms on another port."""
+    """Two torchrun agents, one per "node" on its own share of the CPUs (``cpu_share``), meeting at
+    a c10d rendezvous on 127.0.0.1; the ranks' process group forms on another port."""
     if not TORCHRUN.is_file():
         pytest.skip(f"{TORCHRUN} is missing")
     endpoint, group_port = f"127.0.0.1:{free_port()}", free_port()
@@ -57,7 +58,7 @@ def start_nodes(job: Path, store: Path, max_restarts: int) -> list[subprocess.Po
                "--no-python", str(RETEXO_BIN), "worker", str(job), "--master-port", str(group_port),
                "--store", str(store)]
     return [subprocess.Popen(command, cwd=REPO, env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+                             stderr=subprocess.PIPE, text=True, preexec_fn=cpu_share(k, 2)) for k in range(2)]
 
 
 def finish(nodes: list[subprocess.Popen[str]], timeout: float = 300) -> None:
