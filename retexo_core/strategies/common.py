@@ -6,6 +6,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -150,12 +151,49 @@ def average_parameters(comm: Communicator, module: nn.Module, weight: float, kin
             offset += p.numel()
 
 
-def split_stats(ctx: WorkerContext, logits: torch.Tensor,
-                rows: torch.Tensor | None = None) -> dict[str, tuple[float, float]]:
-    """Global (loss, accuracy) of ``ctx.round_splits`` from one all-reduce of 3 numbers per split
-    (control); ``logits`` are the val view's, of every owned node or of the nodes ``rows``."""
+AUC_BINS = 256  # histogram bins of the positive-class logit margin, for the validation ROC-AUC
+AUC_MARGIN = 8.0  # margins (logit of class 1 minus logit of class 0) are clipped to [-8, 8] (bins 1/16 wide)
+
+
+class SplitStats(NamedTuple):
+    """Global loss and accuracy of one split; for two-class tasks also its ROC-AUC (else NaN)."""
+
+    loss: float
+    acc: float
+    roc_auc: float = float("nan")
+
+    @property
+    def score(self) -> float:
+        """What model selection maximises: ROC-AUC for two-class tasks, accuracy otherwise."""
+        return self.acc if np.isnan(self.roc_auc) else self.roc_auc
+
+
+def margin_histogram(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(2, AUC_BINS) float64 counts of the negatives' and the positives' margins ``logits[:, 1] -
+    logits[:, 0]`` (monotone in the positive-class probability), clipped to ±AUC_MARGIN."""
+    margin = (logits[:, 1] - logits[:, 0]).double().clamp(-AUC_MARGIN, AUC_MARGIN)
+    bins = ((margin + AUC_MARGIN) * (AUC_BINS / (2 * AUC_MARGIN))).long().clamp(max=AUC_BINS - 1)
+    return torch.stack([torch.bincount(bins[y == c], minlength=AUC_BINS).double() for c in (0, 1)])
+
+
+def histogram_auc(counts: np.ndarray) -> float:
+    """ROC-AUC from (2, B) negative / positive counts per score bin: a positive outranks the
+    negatives of lower bins and ties half of those in its bin (exact up to ties within a bin)."""
+    negatives, positives = counts
+    below = np.cumsum(negatives) - negatives
+    pairs = negatives.sum() * positives.sum()
+    return float((positives * (below + negatives / 2)).sum() / pairs) if pairs else float("nan")
+
+
+def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, SplitStats]:
+    """Global loss and accuracy of ``ctx.round_splits`` from one all-reduce of 3 numbers per split
+    (control); ``logits`` are the val view's, of every owned node or of the nodes ``rows``. Two-class
+    tasks add the val split's margin histogram (2 x AUC_BINS numbers) to the same all-reduce, for
+    its ROC-AUC: counts leave a rank, never a node's score or label."""
     values = []
     y = ctx.data.y if rows is None else ctx.data.y[rows]
+    binary = ctx.data.num_classes == 2
+    histogram = None
     for name in ctx.round_splits:
         mask = (ctx.data.masks[name] if rows is None else ctx.data.masks[name][rows]) & (y >= 0)
         values += [
@@ -163,31 +201,40 @@ def split_stats(ctx: WorkerContext, logits: torch.Tensor,
             float((logits[mask].argmax(1) == y[mask]).sum()),
             float(mask.sum()),
         ]
-    total = ctx.comm.all_reduce(torch.tensor(values, dtype=torch.float64), "control").tolist()
+        if binary and name == "val":
+            histogram = margin_histogram(logits[mask], y[mask])
+    sent = torch.tensor(values, dtype=torch.float64)
+    if histogram is not None:
+        sent = torch.cat([sent, histogram.flatten()])
+    total = ctx.comm.all_reduce(sent, "control").numpy()
     stats = {}
     for k, name in enumerate(ctx.round_splits):
         loss, correct, count = total[3 * k: 3 * k + 3]
-        stats[name] = (loss / count, correct / count) if count else (float("nan"), float("nan"))
+        auc = float("nan")
+        if histogram is not None and name == "val":
+            auc = histogram_auc(total[len(values):].reshape(2, AUC_BINS))
+        stats[name] = SplitStats(loss / count, correct / count, auc) if count else SplitStats(float("nan"), float("nan"))
     return stats
 
 
-def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, tuple[float, float]], total: int) -> None:
-    """Keep the round's metrics, report progress; log about ten lines per layer."""
-    for split, (loss, acc) in stats.items():
-        ctx.history.append({"layer": layer, "round": round_, "split": split, "loss": loss, "acc": acc})
+def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, SplitStats], total: int) -> None:
+    """Keep the round's metrics, report progress (the val score); log about ten lines per layer."""
+    for split, s in stats.items():
+        ctx.history.append({"layer": layer, "round": round_, "split": split, "loss": s.loss, "acc": s.acc})
     if ctx.on_progress is not None:
-        ctx.on_progress(layer, round_ + 1, total, stats["val"][1] if "val" in stats else None)
+        ctx.on_progress(layer, round_ + 1, total, stats["val"].score if "val" in stats else None)
     if round_ % max(1, total // 10) == 0 or round_ == total - 1:
-        log.info("layer %d round %d/%d: %s", layer, round_ + 1, total,
-                 ", ".join(f"{s} loss {l:.4f} acc {a:.4f}" for s, (l, a) in stats.items()))
+        log.info("layer %d round %d/%d: %s", layer, round_ + 1, total, ", ".join(
+            f"{name} loss {s.loss:.4f} acc {s.acc:.4f}" + ("" if np.isnan(s.roc_auc) else f" roc_auc {s.roc_auc:.4f}")
+            for name, s in stats.items()))
 
 
 def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, total: int,
              val_logits: Callable[[], torch.Tensor], best: "BestState",
-             stats_of: Callable[[torch.Tensor], dict[str, tuple[float, float]] | None] | None = None,
+             stats_of: Callable[[torch.Tensor], dict[str, SplitStats] | None] | None = None,
              rows: torch.Tensor | None = None) -> None:
     """One model-selection point: logits of the val view (eval mode; of the nodes ``rows`` when
-    given), global stats, history, best."""
+    given), global stats, history, best (by val accuracy, or val ROC-AUC for two classes)."""
     module.eval()
     with torch.no_grad():
         logits = val_logits()
@@ -195,11 +242,11 @@ def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, tot
     if stats is None:  # this point was skipped (a tolerant strategy lost a rank during it)
         return
     record(ctx, layer, round_, stats, total)
-    best.offer(module, stats["val"][1], round_)
+    best.offer(module, stats["val"].score, round_)
 
 
 class BestState:
-    """Keeps the parameters with the best validation accuracy (first best wins; no val -> last)."""
+    """Keeps the parameters with the best validation score (first best wins; no val -> last)."""
 
     def __init__(self) -> None:
         self.accuracy = -1.0
