@@ -130,6 +130,7 @@ class LayerManifest(Manifest):
     rounds: int
     seconds: float
     dropped_parts: list[int] = []
+    recipe: dict[str, Any] = {}  # what was chosen on validation and each candidate's val score
     reused_from: str | None = None
 
 
@@ -172,6 +173,12 @@ class RunManifest(Manifest):
 
     def accuracy(self, split: str) -> float:
         return next(float(r["accuracy"]) for r in self.evaluation if r["split"] == split)
+
+    def score(self, split: str) -> float:
+        """The split's ROC-AUC for a two-class task (when computed), its accuracy otherwise."""
+        row = next(r for r in self.evaluation if r["split"] == split)
+        auc = row.get("roc_auc")
+        return float(auc) if auc is not None and auc == auc else float(row["accuracy"])
 
 
 AnyManifest = DatasetManifest | PartitionManifest | LayerManifest | RunManifest

@@ -50,8 +50,10 @@ class TrainConfig(BaseModel):
     setting: Literal["transductive", "inductive"] = option(
         "transductive", "transductive | inductive (val/test nodes and their edges unseen in training).", scope="layer")
     normalize_features: Literal["auto", "rows", "none"] = option(
-        "auto", "Feature preprocessing: rows (each node's features divided by their sum), none, or auto (rows "
-        "when the dataset's features are all non-negative, e.g. bag-of-words counts).", scope="layer")
+        "auto", "Feature preprocessing: rows (each node's features divided by their sum), none (as the data "
+        "gives them), or auto: chosen on validation when the features are non-negative (layer-wise training "
+        "trains layer 1 on both from its one halo exchange and keeps the better; end-to-end strategies first "
+        "probe layer 1 the same way for 50 rounds; tma and grappa keep them raw).", scope="layer")
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)

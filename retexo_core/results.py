@@ -25,10 +25,11 @@ class LayerSummary:
 
     layer: int
     best_round: int  # round (epoch) whose parameters were kept
-    best_val: float  # their validation accuracy
+    best_val: float  # their validation score (accuracy; ROC-AUC for two classes)
     rounds: int  # rounds (epochs) trained
     seconds: float  # wall time of the training that produced it
     dropped_parts: list[int] = field(default_factory=list)  # tma: partitions lost on the way
+    recipe: dict[str, object] = field(default_factory=dict)  # chosen on validation (--normalize-features auto)
 
 
 class ResultSink(Protocol):

@@ -25,7 +25,7 @@ from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
 from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
 from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
-from retexo_core.strategies.retexo import Views, train_layer
+from retexo_core.strategies.retexo import Views, layer_candidates, train_layer
 
 log = logging.getLogger("retexo.worker")
 HISTORY_SCHEMA = pa.schema([
@@ -50,15 +50,38 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
              ctx.local_train, ctx.train_count, layers)
     if config.is_layerwise:
         run_layerwise(ctx, layers, sink)
-    else:
-        run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config))
+        return
+    recipe: dict[str, object] = {}
+    if not isolated and len(layer_candidates(ctx, 1)) > 1:
+        ctx, recipe = probe_normalisation(ctx)
+    run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config), recipe)
+
+
+PROBE_ROUNDS = 50  # rounds of each candidate of an end-to-end strategy's normalisation probe
+
+
+def probe_normalisation(ctx: WorkerContext) -> tuple[WorkerContext, dict[str, object]]:
+    """``--normalize-features auto`` for an end-to-end strategy: choose raw or row-normalised
+    features as layer-wise training chooses them for its layer 1 (``layer_candidates``), by training
+    layer 1 with its auxiliary head for ``PROBE_ROUNDS`` rounds per candidate after one halo
+    exchange of the raw features (all of it counted in the communication log as layer 0's, like
+    the strategy's own traffic). Returns the context with the chosen features and the choice."""
+    history = ctx.history
+    ctx.history = []
+    result = train_layer(ctx, 1, own_inputs(ctx, 1, None), rounds=PROBE_ROUNDS)  # type: ignore[arg-type]
+    ctx.history = history
+    ctx.comm.layer, ctx.comm.epoch = 0, -1
+    log.info("normalisation probe: %s", result.recipe)
+    if result.recipe["normalize_features"] == "rows":
+        ctx = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=normalize_rows(ctx.data.x)))
+    return ctx, result.recipe
 
 
 def prepare_features(data: PartData, config: TrainConfig) -> PartData:
-    """The partition with its features preprocessed as ``config.normalize_features`` says (each rank
-    its own rows; halo rows arrive preprocessed by their owner)."""
-    rows = config.normalize_features == "rows" or (config.normalize_features == "auto" and data.features_nonnegative)
-    return dataclasses.replace(data, x=normalize_rows(data.x)) if rows else data
+    """The partition with its features row-normalised when ``config.normalize_features`` is rows
+    (each rank its own rows; halo rows arrive preprocessed by their owner). ``auto`` keeps them raw:
+    the choice is made on validation (``strategies.retexo.layer_candidates``)."""
+    return dataclasses.replace(data, x=normalize_rows(data.x)) if config.normalize_features == "rows" else data
 
 
 def history_table(ctx: WorkerContext, layer: int | None) -> pa.Table:
@@ -112,7 +135,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         if layer == cfg.layers:
             write_predictions(ctx, result.outputs["full"], sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
-        summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started)
+        summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
+                               recipe=result.recipe)
         if ctx.comm.rank == 0:
             sink.commit_layer(summary, result.module.state_dict(), history_table(ctx, layer), evaluation)
         elif sink.every_rank_commits:
@@ -136,7 +160,7 @@ def train_whole_model(ctx: WorkerContext, sink: ResultSink,
 
 
 def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
-                   load_refresh: Callable[[int], PartData]) -> None:
+                   load_refresh: Callable[[int], PartData], recipe: dict[str, object]) -> None:
     part, cfg = ctx.data.part, ctx.config
     started = time.perf_counter()
     ctx, result = train_whole_model(ctx, sink, load_refresh)
@@ -156,6 +180,7 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
     for layer in layers:
         last = layer == layers[-1] and coordinator
-        summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped)
+        summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped,
+                               recipe)
         sink.commit_layer(summary, result.blocks[layer - 1].state_dict() if coordinator else None,
                           history_table(ctx, None) if last else None, evaluation if last else None)

@@ -236,5 +236,5 @@ class RunFolder:
             model=cfg.model, last=summary.layer == cfg.layers,
             options=cfg.layer_payload(summary.layer) if cfg.is_layerwise else cfg.run_payload(),
             best_round=summary.best_round, best_val=summary.best_val, rounds=summary.rounds,
-            seconds=round(summary.seconds, 3), dropped_parts=summary.dropped_parts,
+            seconds=round(summary.seconds, 3), dropped_parts=summary.dropped_parts, recipe=summary.recipe,
         ), contents_synced=True)

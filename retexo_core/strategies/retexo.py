@@ -15,12 +15,14 @@ loop except GAT's attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from retexo_core.data import normalize_rows
 from retexo_core.exchange import exchange_rows, stack_rows, stream_rows
 from retexo_core.models import (
     AGGREGATED_DENSITY,
@@ -52,6 +54,7 @@ class LayerResult:
     best_round: int
     best_val: float
     rounds: int  # rounds trained (fewer than configured after early stopping)
+    recipe: dict[str, object]  # the candidate chosen on validation and every candidate's score (empty: no search)
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -95,34 +98,47 @@ def stored_aggregate(neigh: Features) -> Features:
     return neigh
 
 
-def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views) -> dict[str, Aggregated]:
-    """GCN / SAGE: the layer's single halo exchange and its aggregation A·X per view, peer by peer.
+Transform = Callable[[Features], Features]  # a row-wise preprocessing of a layer's inputs
+
+
+def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views,
+                        transforms: Sequence[Transform] = (lambda x: x,)) -> list[dict[str, Aggregated]]:
+    """GCN / SAGE: the layer's single halo exchange and its aggregation A·t(X) per view and per
+    row-wise transform t (one list entry each), peer by peer.
 
     A·X = A[:, own] @ X_own + sum over peers j of A[:, halo of j] @ X_j: each peer's rows are
     aggregated as soon as they arrive and then dropped. Layer 1 exchanges the raw features once
     (the full plan) and every view aggregates them with its own graph; later layers exchange each
-    view's rows of the nodes visible in it.
+    view's rows of the nodes visible in it. A row-wise transform (row normalisation) of the rows a
+    peer sends equals the peer's transform of its own rows, so every transform shares the exchange.
     """
     comm, n = ctx.comm, ctx.data.num_owned
     comm.layer, comm.epoch = layer, -1
     kind = "halo_features" if layer == 1 else "halo_embeddings"
     readers = {"full": list(ctx.views)} if layer == 1 else {v: [v] for v in ctx.views}
     blocks = ctx.plan.halo_blocks()  # type: ignore[union-attr]
-    neigh: dict[str, Features] = {}
+    neigh: list[dict[str, Features]] = [{} for _ in transforms]
     for source, views in readers.items():
         adj = {v: ctx.graphs[v].adj for v in views}
-        for v in views:
-            neigh[v] = partial_aggregate(adj[v].columns(0, n), own[source] if layer == 1 else own[v])
+        for t, transform in enumerate(transforms):
+            mine = transform(own[source] if layer == 1 else own[views[0]])
+            for v in views:
+                neigh[t][v] = partial_aggregate(adj[v].columns(0, n), mine)
         plan = ctx.plans[source]
         for peer, rows in stream_rows(comm, plan, own[source], kind):
             block = blocks[peer]
-            placed = place_rows(rows, plan.recv_index[peer] - block.start, block.stop - block.start)
-            for v in views:
-                part = partial_aggregate(adj[v].columns(n + block.start, n + block.stop), placed)
-                neigh[v] = add_aggregates(neigh[v], part)
+            for t, transform in enumerate(transforms):
+                placed = place_rows(transform(rows), plan.recv_index[peer] - block.start, block.stop - block.start)
+                for v in views:
+                    part = partial_aggregate(adj[v].columns(n + block.start, n + block.stop), placed)
+                    neigh[t][v] = add_aggregates(neigh[t][v], part)
     sage = ctx.config.model == "sage"
-    distinct = {v: Aggregated(stored_aggregate(neigh[v]), own[v] if sage else None) for v in ctx.views}
-    return {v: distinct[v if v in distinct else "full"] for v in own}
+    result = []
+    for t, transform in enumerate(transforms):
+        distinct = {v: Aggregated(stored_aggregate(neigh[t][v]), transform(own[v]) if sage else None)
+                    for v in ctx.views}
+        result.append({v: distinct[v if v in distinct else "full"] for v in own})
+    return result
 
 
 def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
@@ -151,7 +167,7 @@ class LayerInputs:
     outputs are computed in chunks of ``chunk`` rows, so that memory stays bounded by the batch size.
     """
 
-    def __init__(self, ctx: WorkerContext, block: Block, *, aggregated: dict[str, Aggregated] | None = None,
+    def __init__(self, ctx: WorkerContext, block: Block | None, *, aggregated: dict[str, Aggregated] | None = None,
                  inputs: Views | None = None, chunk: int | None = None):
         self.block, self.chunk = block, chunk
         self.frozen = aggregated is not None
@@ -165,13 +181,16 @@ class LayerInputs:
             self.train_graph = ctx.graphs["train"].restrict(self.train_rows)
 
     @classmethod
-    def exchanged(cls, ctx: WorkerContext, layer: int, block: Block, own: Views) -> "LayerInputs":
-        """The layer's halo exchange and preparation: streamed aggregates (GCN / SAGE) or the local
-        inputs with their halo rows (GAT)."""
+    def exchanged(cls, ctx: WorkerContext, layer: int, model: str, own: Views,
+                  transforms: Sequence[Transform]) -> list["LayerInputs"]:
+        """The layer's single halo exchange and its preparation for each row-wise input transform:
+        streamed aggregates (GCN / SAGE) or the local inputs with their halo rows (GAT). Each
+        result's ``block`` is set by the candidate that trains on it."""
         chunk = ctx.config.batch_size
-        if block.model == "gat":
-            return cls(ctx, block, inputs=gather_inputs(ctx, layer, own), chunk=chunk)
-        return cls(ctx, block, aggregated=streamed_aggregates(ctx, layer, own), chunk=chunk)
+        if model == "gat":
+            local = gather_inputs(ctx, layer, own)
+            return [cls(ctx, None, inputs={v: t(x) for v, x in local.items()}, chunk=chunk) for t in transforms]
+        return [cls(ctx, None, aggregated=a, chunk=chunk) for a in streamed_aggregates(ctx, layer, own, transforms)]
 
     def train_outputs(self, gen: torch.Generator, batch: torch.Tensor | None = None) -> torch.Tensor:
         """(b, d_out) block outputs of the train rows ``batch`` (positions among the train rows;
@@ -245,21 +264,38 @@ class BatchPlan:
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
 
 
-def train_layer(ctx: WorkerContext, layer: int, own: Views,
-                initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
-    """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
-    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are)."""
+@dataclass(frozen=True)
+class LayerRecipe:
+    """What a layer's candidates differ in (``--normalize-features auto`` searches layer 1's)."""
+
+    normalize_rows: bool = False  # inputs row-normalised (each row divided by its sum)
+
+    def transform(self, x: Features) -> Features:
+        return normalize_rows(x) if self.normalize_rows else x
+
+    def describe(self) -> dict[str, object]:
+        return {"normalize_features": "rows" if self.normalize_rows else "none"}
+
+
+def layer_candidates(ctx: WorkerContext, layer: int) -> list[LayerRecipe]:
+    """The recipes layer ``layer`` trains and chooses from on validation, the default first (it
+    wins ties). Only layer 1 of ``--normalize-features auto`` on non-negative features has two:
+    raw and row-normalised inputs (``rows`` / ``none`` are applied to the features beforehand)."""
+    if layer == 1 and ctx.config.normalize_features == "auto" and ctx.data.features_nonnegative:
+        return [LayerRecipe(False), LayerRecipe(True)]
+    return [LayerRecipe()]
+
+
+def fit_layer(ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: LayerInputs,
+              rounds: int) -> tuple[BestState, int]:
+    """Train ``module`` on its prepared inputs for ``rounds`` rounds (fewer with patience), keeping
+    the parameters with the best validation score; returns them (restored) and the rounds trained."""
     cfg, comm = ctx.config, ctx.comm
-    module = new_layer(ctx, layer, own["full"].shape[1])
-    if initial is not None:
-        module.load_state_dict(initial)
-    gen = ctx.generator(layer)  # per-rank dropout masks
+    gen = ctx.generator(layer)  # per-rank dropout masks (the same stream for every candidate)
     optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
-    rounds = cfg.layer_rounds(layer)
     best = BestState()
     share = ctx.local_train / max(ctx.train_count, 1)
     train_rows = ctx.train_rows
-    prepared = LayerInputs.exchanged(ctx, layer, module.block, own)
     steps = BatchPlan(ctx, cfg.batch_size)
     trained = 0
     for round_ in range(rounds):
@@ -287,8 +323,38 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views,
         if best.stale(round_, cfg.patience):
             break
     best.restore(module)
+    return best, trained
+
+
+def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None,
+                rounds: int | None = None) -> LayerResult:
+    """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
+    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are),
+    for ``rounds`` rounds (default: the layer's configured rounds).
+
+    With several candidate recipes (``layer_candidates``) every candidate trains from the same
+    initial parameters on inputs prepared from the same single halo exchange, and the one with the
+    best validation score is kept (its history only; every candidate's traffic is logged)."""
+    candidates = layer_candidates(ctx, layer)
+    prepared = LayerInputs.exchanged(ctx, layer, ctx.config.model, own, [c.transform for c in candidates])
+    history_start = len(ctx.history)
+    tried = []  # (recipe, module, inputs, best, rounds trained, history)
+    for recipe, inputs in zip(candidates, prepared):
+        module = new_layer(ctx, layer, own["full"].shape[1])
+        if initial is not None:
+            module.load_state_dict(initial)
+        inputs.block = module.block
+        best, trained = fit_layer(ctx, layer, module, inputs, rounds if rounds is not None else
+                                  ctx.config.layer_rounds(layer))
+        tried.append((recipe, module, inputs, best, trained, ctx.history[history_start:]))
+        del ctx.history[history_start:]
+    recipe, module, inputs, best, trained, history = max(tried, key=lambda t: t[3].accuracy)  # first best wins
+    ctx.history += history
+    chosen: dict[str, object] = {}
+    if len(tried) > 1:
+        chosen = {**recipe.describe(), "val_scores": [{**t[0].describe(), "val": t[3].accuracy} for t in tried]}
     module.eval()
     with torch.no_grad():
-        computed = {v: prepared.outputs(v) for v in ctx.views}
+        computed = {v: inputs.outputs(v) for v in ctx.views}
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       trained)
+                       trained, chosen)
