@@ -1,118 +1,207 @@
-"""Accuracy of the default recipe against the published Retexo table and plain PyG.
+"""Accuracy of ``retexo train``'s defaults against plain PyG, on Cora or on the development suite.
 
-On Cora (bundled; the public Planetoid split) it trains, for GCN, GraphSAGE and GAT and for each
-of ``--seeds`` training seeds: ``centralized`` (one process, end to end), ``retexo`` (4 workers),
-``standard`` (4 workers, full-graph distributed) and a plain PyG model with the same recipe
-(``benchmarks/pyg_reference.py``). Every run uses the options of ``retexo train`` by default
-(METIS into 4 parts unless ``--partition-method`` says otherwise); only the seed changes. It
-prints mean ± standard deviation of validation and test accuracy, the mean bytes sent and the
-mean rounds (layer-wise, summed over layers) or epochs trained, next to the figures published in
-the Retexo README for Cora. More graphs: ``--planetoid DIR`` (a Planetoid folder, e.g. CiteSeer)
-and ``--synthetic NODES`` (the generator's defaults); they print without published figures.
+Without ``--suite``: Cora (bundled; the public Planetoid split), GCN, GraphSAGE and GAT, next to
+the figures published in the Retexo README for Cora.
 
-    .venv/bin/python benchmarks/accuracy.py [--seeds 5] [--planetoid DIR] [--synthetic 20000]
+With ``--suite``: every graph of ``../shared/datasets`` (``--datasets DIR``), each ingested with the
+project's own commands from its original files (Planetoid files; ``.npz`` with official splits,
+split 0; ``.npz`` without splits: a stratified 60/20/20 split, seed 0), cut into 4 random parts
+(seed 0), for GCN, GraphSAGE and GAT and each of ``--seeds`` seeds:
+
+- ``reference``: a plain PyG model with PyG's own example recipe (``benchmarks/pyg_reference.py``);
+- ``centralized``, ``centralized --layerwise``, ``retexo``, ``retexo --sync avg --sync-every 5
+  --compress int8`` and ``standard``: ``retexo train``'s defaults, only the strategy options and
+  the seed set.
+
+The metric is accuracy, or ROC-AUC for a two-class label; every figure is the test (and
+validation) metric of the model kept on validation. It prints mean ± standard deviation over the
+seeds, the mean megabytes sent, and the issue's inequalities per graph and model (centralized >=
+reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >= retexo - 1.5). Ranks run as
+threads of this process (``--launcher threads``: the same bytes and results as processes).
+
+    .venv/bin/python benchmarks/accuracy.py [--seeds 3]
+    .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from graphstore.ingest.api import ingest_planetoid, ingest_synthetic  # noqa: E402
+from graphstore.ingest.api import ingest_npz, ingest_planetoid  # noqa: E402
 from graphstore.ingest.splits import SplitFractions  # noqa: E402
-from graphstore.ingest.synthetic import SyntheticOptions  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef  # noqa: E402
-from graphstore.manifests import LayerManifest, read_manifest  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
 from retexo_core.comm.network import NetworkModel  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
-from runner.lifecycle import run_training  # noqa: E402
+from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
 from runner.plan import plan_run  # noqa: E402
 
 MODELS = ("gcn", "sage", "gat")
-STRATEGIES = ("centralized", "retexo", "standard")
+PARTS = 4
+# variant -> retexo train options (besides model and seed); None: the plain PyG reference
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "reference": None,
+    "centralized": {"strategy": "centralized"},
+    "centralized --layerwise": {"strategy": "centralized", "layerwise": True},
+    "retexo": {"strategy": "retexo"},
+    "retexo avg/5 int8": {"strategy": "retexo", "sync": "avg", "sync_every": 5, "compress": "int8"},
+    "standard": {"strategy": "standard"},
+}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)
 PUBLISHED = {"gcn": (0.820, 0.828), "sage": (0.826, 0.825), "gat": (0.807, 0.818)}
 
 
-def train_once(store: Store, dataset: DatasetRef, partition: object, strategy: str, model: str,
+@dataclass(frozen=True)
+class SuiteGraph:
+    name: str
+    path: str  # relative to the datasets folder: a Planetoid folder or an .npz / .zip file
+    official_split: bool = True  # .npz: split 0 of its masks; else a stratified 60/20/20 split (seed 0)
+
+
+SUITE = (
+    SuiteGraph("cora", "cora"),
+    SuiteGraph("citeseer", "citeseer"),
+    SuiteGraph("actor", "actor/actor.npz"),
+    SuiteGraph("chameleon_filtered", "chameleon_filtered/chameleon_filtered.npz"),
+    SuiteGraph("minesweeper", "minesweeper/minesweeper.npz"),
+    SuiteGraph("wisconsin", "wisconsin/wisconsin.npz"),
+    SuiteGraph("amazon_computers", "amazon_computers/amazon-computers.zip", official_split=False),
+    SuiteGraph("coauthor_cs", "coauthor_cs/coauthor-cs.zip", official_split=False),
+)
+
+
+def ingest(store: Store, graph: SuiteGraph, datasets: Path) -> DatasetRef:
+    """The graph from its original files, as ``retexo ingest planetoid|npz`` would."""
+    path = datasets / graph.path
+    if path.is_dir():
+        return ingest_planetoid(store, path, graph.name)
+    if graph.official_split:
+        return ingest_npz(store, path, graph.name, split_index=0)
+    return ingest_npz(store, path, graph.name, fractions=SplitFractions(train=0.6, val=0.2, seed=0))
+
+
+def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
                seed: int) -> dict[str, float]:
-    """One run with the defaults of ``retexo train`` (or its figures from the store)."""
-    config = TrainConfig(strategy=strategy, model=model, seed=seed, timeout_s=1800)
-    plan = plan_run(store, dataset, None if strategy == "centralized" else partition, config, NetworkModel())
-    summary, _ = run_training(plan)
-    run_dir = store.run_dir(plan.run_fp)
-    trained = [read_manifest(run_dir / f"layer={l}", LayerManifest).rounds for l in plan.layers]
-    rounds = sum(trained) if config.is_layerwise else trained[0]  # end to end: every layer records the epochs
-    return {"val": summary.accuracy("val"), "test": summary.accuracy("test"), "mb": summary.total_bytes / 1e6,
-            "rounds": rounds}
+    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
+    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600)
+    plan = plan_run(store, dataset, None if config.strategy == "centralized" else partition, config, NetworkModel())
+    summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
+    return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
+
+
+def reference_once(dataset: DatasetRef, plain: object, model: str, seed: int) -> dict[str, float]:
+    run = pyg_reference(plain, model, 256, 200, seed)
+    return {"val": run["val_acc"], "test": run["test_acc"], "mb": 0.0}
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
-def measure(store: Store, dataset: DatasetRef, partition: object, seeds: int) -> list[dict[str, object]]:
+def measure(store: Store, dataset: DatasetRef, partition: object, models: list[str], variants: list[str],
+            seeds: int) -> list[dict[str, Any]]:
     rows = []
     plain = load_plain(dataset)
-    for model in MODELS:
-        for strategy in (*STRATEGIES, "plain PyG"):
-            if strategy == "plain PyG":
-                runs = [pyg_reference(plain, model, 256, 200, seed) | {"mb": 0.0} for seed in range(seeds)]
-                runs = [r | {"val": r["val_acc"], "test": r["test_acc"]} for r in runs]
-            else:
-                runs = [train_once(store, dataset, partition, strategy, model, seed) for seed in range(seeds)]
-            row = {"graph": dataset.name, "model": model, "strategy": strategy,
-                   "val": spread([r["val"] for r in runs]), "test": spread([r["test"] for r in runs]),
-                   "test_mean": statistics.mean(r["test"] for r in runs),
-                   "mb": statistics.mean(r["mb"] for r in runs), "rounds": statistics.mean(r["rounds"] for r in runs)}
-            print(f"  {dataset.name} {model} {strategy}: test {row['test']}", flush=True)
+    for model in models:
+        for variant in variants:
+            options = VARIANTS[variant]
+            started = time.perf_counter()
+            runs = [reference_once(dataset, plain, model, seed) if options is None
+                    else train_once(store, dataset, partition, options, model, seed) for seed in range(seeds)]
+            row = {"graph": dataset.name, "model": model, "variant": variant, "seeds": seeds,
+                   "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
+                   "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
+            print(f"  {dataset.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
+                  f"({row['seconds']:.0f} s)", flush=True)
             rows.append(row)
     return rows
 
 
+def checks(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's inequalities per graph and model, on test means, in points."""
+    mean = {(r["graph"], r["model"], r["variant"]): 100 * statistics.mean(r["test"]) for r in rows}
+    rules = (("centralized", "reference", -0.5), ("retexo", "centralized", -1.0), ("retexo avg/5 int8", "retexo", -1.5))
+    lines = []
+    for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
+        parts = []
+        for left, right, slack in rules:
+            if (graph, model, left) in mean and (graph, model, right) in mean:
+                gap = mean[(graph, model, left)] - mean[(graph, model, right)]
+                parts.append(f"{left} − {right} {gap:+.1f} {'ok' if gap >= slack else 'FAILS'}")
+        lines.append(f"| {graph} | {model} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def print_tables(rows: list[dict[str, Any]], metric_of: dict[str, str]) -> None:
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
+    print("\nTest metric, mean ± std over the seeds (validation mean in brackets); accuracy, or ROC-AUC for "
+          "two classes\n")
+    print("| graph | model | metric | seeds | " + " | ".join(variants) + " |")
+    print("|---|---|---|---|" + "---|" * len(variants))
+    for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
+        cells = [f"{spread(by[(graph, model, v)]['test'])} ({statistics.mean(by[(graph, model, v)]['val']):.3f})"
+                 if (graph, model, v) in by else "" for v in variants]
+        seeds = by[(graph, model, variants[0])]["seeds"]
+        print(f"| {graph} | {model} | {metric_of[graph]} | {seeds} | " + " | ".join(cells) + " |")
+    print("\nMB sent (mean over the seeds)\n")
+    print("| graph | model | " + " | ".join(v for v in variants if v != "reference") + " |")
+    print("|---|---|" + "---|" * len([v for v in variants if v != "reference"]))
+    for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
+        print(f"| {graph} | {model} | " + " | ".join(f"{by[(graph, model, v)]['mb']:,.1f}" for v in variants
+                                                   if v != "reference" and (graph, model, v) in by) + " |")
+    print("\nChecks (test means, points)\n")
+    print("| graph | model | centralized vs reference (≥ −0.5) | retexo vs centralized (≥ −1.0) | "
+          "avg/5 int8 vs retexo (≥ −1.5) |")
+    print("|---|---|---|---|---|")
+    print("\n".join(checks(rows)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--store", type=Path, help="store to use (default: a temporary one)")
-    parser.add_argument("--partition-method", default="metis", choices=("metis", "random"))
-    parser.add_argument("--planetoid", type=Path, action="append", default=[], help="more Planetoid folders")
-    parser.add_argument("--synthetic", type=int, action="append", default=[], help="more synthetic graphs (nodes)")
+    parser.add_argument("--suite", action="store_true", help="the development suite instead of Cora alone")
+    parser.add_argument("--datasets", type=Path, default=REPO.parent / "shared" / "datasets")
+    parser.add_argument("--graphs", help="comma list: a part of the suite")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--store", type=Path, help="store to use (default: a temporary one); runs in it are reused")
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
+    models, variants = args.models.split(","), args.variants.split(",")
+    graphs = [g for g in SUITE if args.graphs is None or g.name in args.graphs.split(",")]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store = Store.open(args.store or Path(tmp) / "store")
-        graphs = [ingest_planetoid(store, REPO / "data" / "cora", "cora")]
-        graphs += [ingest_planetoid(store, folder, folder.name.lower()) for folder in args.planetoid]
-        graphs += [ingest_synthetic(store, f"sbm{n // 1000}k", SyntheticOptions(nodes=n, seed=0), SplitFractions(seed=0))
-                   for n in args.synthetic]
-        rows = []
-        for dataset in graphs:
-            partition = build_partition(store, dataset, PartitionOptions(method=args.partition_method, parts=4))
-            print(f"{dataset.name}: {args.seeds} seeds, {args.partition_method} into 4 parts", flush=True)
-            rows += measure(store, dataset, partition, args.seeds)
-
-    print(f"\nmean ± std over {args.seeds} seeds; published: Retexo README, Cora (centralized model / Retexo)\n")
-    print("| graph | model | strategy | val acc | test acc | published | MB sent | rounds (layer-wise, all layers) or epochs |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        published = PUBLISHED[r["model"]] if r["graph"] == "cora" else None
-        cell = "" if published is None else {"centralized": f"{published[0]:.3f}",
-                                             "retexo": f"{published[1]:.3f}"}.get(r["strategy"], "")
-        print(f"| {r['graph']} | {r['model']} | {r['strategy']} | {r['val']} | {r['test']} | {cell} | "
-              f"{r['mb']:,.1f} | {r['rounds']:.0f} |")
-    print("\nretexo − centralized (test, points): " + ", ".join(
-        f"{g} {m} {100 * (by[(g, m, 'retexo')] - by[(g, m, 'centralized')]):+.1f}"
-        for by in [{(r["graph"], r["model"], r["strategy"]): r["test_mean"] for r in rows}]
-        for g, m in dict.fromkeys((r["graph"], r["model"]) for r in rows)))
+        datasets = ([ingest(store, g, args.datasets) for g in graphs] if args.suite
+                    else [ingest_planetoid(store, REPO / "data" / "cora", "cora")])
+        rows, metric_of = [], {}
+        for dataset in datasets:
+            partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+            metric_of[dataset.name] = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
+            print(f"{dataset.name}: {args.seeds} seeds, random into {PARTS} parts", flush=True)
+            rows += measure(store, dataset, partition, models, variants, args.seeds)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    print_tables(rows, metric_of)
+    if not args.suite:
+        print("\npublished (Retexo README, Cora; centralized model / Retexo): "
+              + ", ".join(f"{m} {c:.3f} / {r:.3f}" for m, (c, r) in PUBLISHED.items()))
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":
