@@ -52,8 +52,8 @@ class TrainConfig(BaseModel):
     normalize_features: Literal["auto", "rows", "none"] = option(
         "auto", "Feature preprocessing: rows (each node's features divided by their sum), none (as the data "
         "gives them), or auto: chosen on validation when the features are non-negative (layer-wise training "
-        "trains layer 1 on both from its one halo exchange and keeps the better; end-to-end strategies first "
-        "probe layer 1 the same way for 50 rounds; tma and grappa keep them raw).", scope="layer")
+        "trains layer 1 on both from its one halo exchange and keeps the better; end-to-end strategies train "
+        "the whole model on both and keep the better).", scope="layer")
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)

@@ -21,6 +21,7 @@ from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.halo import VIEWS
+from retexo_core.models import Features
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
 from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
@@ -51,30 +52,7 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     if config.is_layerwise:
         run_layerwise(ctx, layers, sink)
         return
-    recipe: dict[str, object] = {}
-    if not isolated and len(layer_candidates(ctx, 1)) > 1:
-        ctx, recipe = probe_normalisation(ctx)
-    run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config), recipe)
-
-
-PROBE_ROUNDS = 50  # rounds of each candidate of an end-to-end strategy's normalisation probe
-
-
-def probe_normalisation(ctx: WorkerContext) -> tuple[WorkerContext, dict[str, object]]:
-    """``--normalize-features auto`` for an end-to-end strategy: choose raw or row-normalised
-    features as layer-wise training chooses them for its layer 1 (``layer_candidates``), by training
-    layer 1 with its auxiliary head for ``PROBE_ROUNDS`` rounds per candidate after one halo
-    exchange of the raw features (all of it counted in the communication log as layer 0's, like
-    the strategy's own traffic). Returns the context with the chosen features and the choice."""
-    history = ctx.history
-    ctx.history = []
-    result = train_layer(ctx, 1, own_inputs(ctx, 1, None), rounds=PROBE_ROUNDS)  # type: ignore[arg-type]
-    ctx.history = history
-    ctx.comm.layer, ctx.comm.epoch = 0, -1
-    log.info("normalisation probe: %s", result.recipe)
-    if result.recipe["normalize_features"] == "rows":
-        ctx = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=normalize_rows(ctx.data.x)))
-    return ctx, result.recipe
+    run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config))
 
 
 def prepare_features(data: PartData, config: TrainConfig) -> PartData:
@@ -159,11 +137,34 @@ def train_whole_model(ctx: WorkerContext, sink: ResultSink,
     return eval_ctx, result
 
 
+def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
+                     ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
+    """An end-to-end strategy's whole training once per candidate recipe (``layer_candidates``: raw
+    and row-normalised features under ``--normalize-features auto``, else one), keeping the one with
+    the best validation score (the first on ties); every candidate's traffic is in the log.
+    Returns the evaluation context, the kept result and the choice (empty without a search)."""
+    tried = []
+    for recipe in layer_candidates(ctx, 1):
+        def refresh(period: int, transform: Callable[[Features], Features] = recipe.transform) -> PartData:
+            data = load_refresh(period)
+            return dataclasses.replace(data, x=transform(data.x))
+
+        mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=recipe.transform(ctx.data.x)), history=[])
+        eval_ctx, result = train_whole_model(mine, sink, refresh)
+        tried.append((recipe, eval_ctx, result))
+    recipe, eval_ctx, result = max(tried, key=lambda t: t[2].best_val)
+    chosen: dict[str, object] = {}
+    if len(tried) > 1:
+        chosen = {**recipe.describe(), "val_scores": [{**r.describe(), "val": res.best_val} for r, _, res in tried]}
+        log.info("features chosen on validation: %s", chosen)
+    return eval_ctx, result, chosen
+
+
 def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
-                   load_refresh: Callable[[int], PartData], recipe: dict[str, object]) -> None:
+                   load_refresh: Callable[[int], PartData]) -> None:
     part, cfg = ctx.data.part, ctx.config
     started = time.perf_counter()
-    ctx, result = train_whole_model(ctx, sink, load_refresh)
+    ctx, result, recipe = train_candidates(ctx, sink, load_refresh)
     evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
     sink.gather_traffic(ctx.comm)
     rows, _ = new_log_rows(ctx, 0)

@@ -280,19 +280,20 @@ class LayerRecipe:
 def layer_candidates(ctx: WorkerContext, layer: int) -> list[LayerRecipe]:
     """The recipes layer ``layer`` trains and chooses from on validation, the default first (it
     wins ties). Only layer 1 of ``--normalize-features auto`` on non-negative features has two:
-    raw and row-normalised inputs (``rows`` / ``none`` are applied to the features beforehand)."""
+    raw and row-normalised inputs (``rows`` / ``none`` are applied to the features beforehand).
+    End-to-end strategies train the whole model once per layer-1 candidate (``stages``)."""
     if layer == 1 and ctx.config.normalize_features == "auto" and ctx.data.features_nonnegative:
         return [LayerRecipe(False), LayerRecipe(True)]
     return [LayerRecipe()]
 
 
-def fit_layer(ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: LayerInputs,
-              rounds: int) -> tuple[BestState, int]:
-    """Train ``module`` on its prepared inputs for ``rounds`` rounds (fewer with patience), keeping
+def fit_layer(ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: LayerInputs) -> tuple[BestState, int]:
+    """Train ``module`` on its prepared inputs for the layer's rounds (fewer with patience), keeping
     the parameters with the best validation score; returns them (restored) and the rounds trained."""
     cfg, comm = ctx.config, ctx.comm
     gen = ctx.generator(layer)  # per-rank dropout masks (the same stream for every candidate)
     optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
+    rounds = cfg.layer_rounds(layer)
     best = BestState()
     share = ctx.local_train / max(ctx.train_count, 1)
     train_rows = ctx.train_rows
@@ -326,11 +327,9 @@ def fit_layer(ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: L
     return best, trained
 
 
-def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None,
-                rounds: int | None = None) -> LayerResult:
+def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
-    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are),
-    for ``rounds`` rounds (default: the layer's configured rounds).
+    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are).
 
     With several candidate recipes (``layer_candidates``) every candidate trains from the same
     initial parameters on inputs prepared from the same single halo exchange, and the one with the
@@ -344,8 +343,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
         if initial is not None:
             module.load_state_dict(initial)
         inputs.block = module.block
-        best, trained = fit_layer(ctx, layer, module, inputs, rounds if rounds is not None else
-                                  ctx.config.layer_rounds(layer))
+        best, trained = fit_layer(ctx, layer, module, inputs)
         tried.append((recipe, module, inputs, best, trained, ctx.history[history_start:]))
         del ctx.history[history_start:]
     recipe, module, inputs, best, trained, history = max(tried, key=lambda t: t[3].accuracy)  # first best wins
