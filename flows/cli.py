@@ -175,7 +175,7 @@ def ingest_tables_cmd(
     force: ForceOption = False,
     store: StoreOption = None,
 ) -> None:
-    """Ingest your own graph from edge / node / feature tables (see the README for the format)."""
+    """Ingest your own graph from edge / node / feature tables (the format: docs/ingest.md)."""
     st = open_store(store)
     options = TableOptions(src_column=src_column, dst_column=dst_column, undirected=undirected, num_classes=num_classes,
                            feature_format=feature_format, remote_sources=remote_sources)

@@ -1,4 +1,4 @@
-"""Where things live in the store (README "The store").
+"""Where things live in the store (docs/store.md).
 
 ::
 

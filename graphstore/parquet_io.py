@@ -1,6 +1,6 @@
 """Parquet schemas and conversions between Arrow tables and numpy / scipy arrays.
 
-Tables (README "The store"):
+Tables (docs/store.md):
 
 - nodes: ``node_id int64, label int64 (-1 unknown), split string (train|val|test|none)``,
   sorted by ``node_id``; extra integer/string columns from the source are kept.

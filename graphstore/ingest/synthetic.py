@@ -23,7 +23,7 @@ from graphstore.parquet_io import features_table
 from graphstore.progress import Progress, no_progress
 
 GENERATOR_VERSION = 3
-HOMOPHILY, FEATURE_SIGNAL, CLASS_OVERLAP = 0.3, 0.3, 0.3  # defaults: see the README, "Synthetic graphs"
+HOMOPHILY, FEATURE_SIGNAL, CLASS_OVERLAP = 0.3, 0.3, 0.3  # defaults: see docs/ingest.md, "Synthetic graphs"
 NODE_CHUNK = 100_000
 EDGE_CHUNK = 2_000_000
 

@@ -1,4 +1,4 @@
-"""Build a partition artefact from a stored dataset (README "The store", docs/architecture.md).
+"""Build a partition artefact from a stored dataset (docs/store.md, docs/architecture.md).
 
 Output, written atomically under ``partitions/dataset=<fp>/fp=<pfp>/``:
 
