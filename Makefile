@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/retexo run configs/cora_gcn.yaml
 
+# Tests run in parallel workers (pytest-xdist): most of them wait on the processes they start
+# (workers, Prefect servers, torchrun), so more workers than cores pay off; the tests of a module
+# that shares one expensive server stay on one worker (--dist loadgroup, xdist_group marks).
+TEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: $(STAMP)  # everything that runs in one process (no spawned workers, no Prefect server)
 	$(BIN)/python -m pytest -q -m "not slow"
