@@ -42,6 +42,51 @@ RETEXO = [sys.executable, "-m", "flows.cli"]
 GRAPH_METHODS = ("random", "metis", "supernode")
 
 
+# --------------------------------------------------------------------------- the test process
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest-xdist worker gets a Prefect home of its own (a folder of the one it was given),
+    so that the temporary Prefect servers of ``retexo run`` commands in parallel workers never
+    share one SQLite database. Set (and made: Prefect makes only the last folder of its home)
+    before any test module imports Prefect."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect") / f"worker-{worker}"
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ["PREFECT_HOME"] = str(home)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In pytest-xdist workers, the ``slow`` tests first (otherwise in collection order): the
+    workers take tests from the front of the queue, so the minutes-long process tests start
+    while the many short ones are left to fill the gaps, instead of the alphabetically last
+    ones (sites, torchrun, training runtime) running alone at the end. A plain run keeps the
+    collection order (module-scoped fixtures are then made once per module)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def default_torch_threads() -> int:
+    """Torch's number of intra-op threads before any test ran."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_reset(default_torch_threads: int) -> Iterator[None]:
+    """Every test starts with torch's default number of threads. ``torch.set_num_threads`` in any
+    thread (the threads launcher calls it in each rank thread) also sets the number that every
+    thread started later begins with, so ranks run as threads (``run_threads``) would otherwise use
+    what an earlier test's launch set, and how a torch kernel splits a sum depends on it."""
+    yield
+    import torch
+
+    torch.set_num_threads(default_torch_threads)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

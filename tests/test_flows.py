@@ -15,7 +15,9 @@ import pytest
 from conftest import REPO, run_cli, table_rows
 from flows.params import PipelineParams
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]
+# one worker runs the whole module: its tests share the temporary Prefect server below
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow,
+              pytest.mark.xdist_group("prefect-flows")]
 
 
 @pytest.fixture(scope="module", autouse=True)

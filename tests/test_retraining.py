@@ -15,7 +15,9 @@ from flows.params import PipelineParams
 from graphstore.sql_query import query
 from graphstore.layout import Store
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]
+# one worker runs the whole module: its tests share the temporary Prefect server below
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow,
+              pytest.mark.xdist_group("prefect-retraining")]
 
 
 @pytest.fixture(scope="module", autouse=True)
