@@ -154,8 +154,8 @@ class _Guard:
 def guard(pid: int) -> None:
     """Follow the command's messages until stdin closes, then clean up after it (also when the
     command died before this process even started: its messages are still in the pipe)."""
-    try:
-        command: psutil.Process | None = psutil.Process(pid)
+    try:  # the command is this process's parent while it lives (else its pid may be another's by now)
+        command: psutil.Process | None = psutil.Process(pid) if os.getppid() == pid else None
     except psutil.NoSuchProcess:
         command = None
     state = _Guard(pid)

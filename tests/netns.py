@@ -4,8 +4,8 @@
 in a private /24, all plugged into one bridge of the root namespace, optionally with its egress
 shaped by a token bucket (``tc qdisc ... tbf``: netem is not available in this kernel). The
 namespaces, the bridge and the veth pairs are removed on exit, also when the body fails. Names
-carry this process's pid so that concurrent test runs do not collide; Linux interface names are
-at most 15 characters.
+carry this process's pid (``own_prefix``) so that concurrent test runs and parallel test workers do
+not collide; Linux interface names are at most 15 characters (pids have at most 7 digits).
 
 Needs root and iproute2; ``netns_missing()`` says why not when they are missing, for a skip.
 """
@@ -45,6 +45,11 @@ def netns_missing() -> str | None:
     return None
 
 
+def own_prefix() -> str:
+    """The start of the name of every namespace ``sites`` makes in this process."""
+    return f"rtx{os.getpid()}s"
+
+
 def _run(*argv: str) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
@@ -55,7 +60,7 @@ def _run(*argv: str) -> None:
 def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iterator[list[Site]]:
     """``k`` namespaces ``10.<subnet>.<pid % 250>.1 ...k`` on one bridge; egress of every site shaped
     to ``bandwidth_mbit`` (Mbit/s) when given. Everything is removed on exit."""
-    tag = f"{os.getpid() % 100000}"
+    tag = f"{os.getpid()}"
     bridge = f"rbr{tag}"
     third = os.getpid() % 250
     made: list[Site] = []
@@ -64,7 +69,7 @@ def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iter
         _run("ip", "link", "add", bridge, "type", "bridge")
         _run("ip", "link", "set", bridge, "up")
         for i in range(k):
-            site = Site(f"rtx{tag}s{i}", f"10.{subnet}.{third}.{i + 1}")
+            site = Site(f"{own_prefix()}{i}", f"10.{subnet}.{third}.{i + 1}")
             host_end, site_end = f"rv{tag}h{i}", f"rv{tag}n{i}"
             _run("ip", "netns", "add", site.name)
             made.append(site)

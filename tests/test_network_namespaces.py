@@ -20,7 +20,7 @@ import torch
 from conftest import CORA_DIR, cli_env, run_cli, run_together
 from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import Store
-from netns import netns_missing, sites
+from netns import netns_missing, own_prefix, sites
 from processes import cpu_share
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))]
@@ -29,8 +29,9 @@ BANDWIDTH_MBIT = 200
 
 
 def namespace_names() -> set[str]:
+    """The namespaces this process made (other test workers may be making their own meanwhile)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+    return {line.split()[0] for line in listed.splitlines() if line.startswith(own_prefix())}
 
 
 def test_sites_talk_over_tcp_between_their_addresses_and_are_removed_even_on_failure() -> None:
