@@ -37,6 +37,7 @@ from graphstore.runs import read_embeddings
 from netns import netns_missing, sites
 from processes import cpu_share
 from retexo_core.sites import SITE_EPOCH
+from runner.launch import free_port
 
 pytestmark = pytest.mark.slow
 SITES = 3
@@ -126,7 +127,7 @@ def test_three_sites_with_their_own_stores_train_what_a_central_column_partition
     stores = [tmp_path / f"store{s}" for s in range(SITES)]
     for s in range(SITES):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
-    done = train_sites(stores, tmp_path / "audit", 29641)
+    done = train_sites(stores, tmp_path / "audit", free_port())
     assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-2000:] for p in done]
 
     (expected,) = central.glob("runs/run=*")
@@ -185,7 +186,8 @@ def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[P
     stores = [tmp_path / f"store{s}" for s in range(2)]
     for s in range(2):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
-    done = run_together([site_train(s, 2, 29651, stores[s], "--lr", 0.01 * (s + 1)) for s in range(2)],
+    port = free_port()
+    done = run_together([site_train(s, 2, port, stores[s], "--lr", 0.01 * (s + 1)) for s in range(2)],
                         {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}, TIMEOUT_S)
     assert all(p.returncode not in (0, None) for p in done)
     assert any("trains with other options" in p.stderr for p in done), [p.stderr[-1500:] for p in done]
@@ -198,8 +200,9 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     for s in range(SITES):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
-    longer = ("--rounds", "200,400")  # after the test's options: layer 2 runs long enough to be killed in
-    procs = [subprocess.Popen(site_train(s, SITES, 29661, stores[s], *longer), cwd=REPO, env=env,
+    longer = ("--rounds", "30,150")  # after the test's options: layer 2 runs long enough to be killed in
+    port = free_port()
+    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *longer), cwd=REPO, env=env,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(SITES)]
     try:
@@ -217,7 +220,8 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     assert all(not (run / "layer=2").exists() and not list(run.glob(".tmp-*")) for run in runs)
     layer_1 = [(run / "layer=1" / "manifest.json").read_bytes() for run in runs]
 
-    done = run_together([site_train(s, SITES, 29662, stores[s], *longer) for s in range(SITES)], env, TIMEOUT_S)
+    port = free_port()
+    done = run_together([site_train(s, SITES, port, stores[s], *longer) for s in range(SITES)], env, TIMEOUT_S)
     assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-1500:] for p in done]
     assert [(run / "layer=1" / "manifest.json").read_bytes() for run in runs] == layer_1  # not trained again
     for s, run in enumerate(runs):
