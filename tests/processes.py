@@ -1,4 +1,5 @@
-"""Run several commands at once and wait for all of them (tests and benchmarks that start sites)."""
+"""Run several commands at once and wait for all of them (tests and benchmarks that start sites);
+read the command line of a process that may be exiting meanwhile."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,3 +46,12 @@ def cpu_share(node: int, nodes: int) -> Callable[[], None]:
     start = node * share % len(cpus)
     mine = set(cpus[start:start + share])
     return lambda: os.sched_setaffinity(0, mine)
+
+
+def command_line(process: psutil.Process) -> str:
+    """``process``'s command line, or "" once it has exited (a zombie or gone): a child listed by
+    ``children()`` may exit before it is read, the more often the busier the machine."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess included
+        return ""

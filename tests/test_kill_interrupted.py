@@ -29,6 +29,7 @@ from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
+from processes import command_line
 from training_helpers import training_started, worker_processes
 
 pytestmark = pytest.mark.slow
@@ -211,7 +212,7 @@ def test_a_launcher_killed_without_workers_is_finished_by_its_guard(tmp_path: Pa
     store, run = tmp_path / "store", "f" * 16
     temp = Store.open(store).run_dir(run) / f"{TMP_PREFIX}comm.parquet-1-abc"
     proc = start_launcher(store, run, temp)
-    guard = [p for p in psutil.Process(proc.pid).children() if "runner.descendant_guard" in " ".join(p.cmdline())]
+    guard = [p for p in psutil.Process(proc.pid).children() if "runner.descendant_guard" in command_line(p)]
     assert len(guard) == 1
     proc.kill()
     proc.wait(timeout=30)

@@ -29,6 +29,7 @@ from graphstore.layout import TMP_PREFIX, Store
 from graphstore.manifests import RunManifest, read_manifest
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
+from processes import command_line
 from runner.launch import free_port
 from training_helpers import training_started
 
@@ -102,7 +103,7 @@ def run_and_lose_the_api(store: Path, env: dict[str, str], preset: Path, kill_ap
 
 
 def kill_the_temporary_server(command: psutil.Process) -> None:
-    servers = [p for p in command.children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
+    servers = [p for p in command.children(recursive=True) if "uvicorn" in command_line(p)]
     assert servers, "no temporary Prefect server under retexo run"
     for server in servers:
         server.kill()

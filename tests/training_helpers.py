@@ -18,6 +18,7 @@ from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, PartitionRef
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
+from processes import command_line
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from runner.lifecycle import LaunchOptions, run_training
@@ -72,7 +73,7 @@ def params(module: torch.nn.Module) -> int:
 
 def worker_processes(parent: psutil.Process) -> list[psutil.Process]:
     """The spawned training workers of a ``retexo`` process, in rank (start) order."""
-    children = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    children = [c for c in parent.children(recursive=True) if "spawn_main" in command_line(c)]
     return sorted(children, key=lambda c: c.create_time())
 
 
