@@ -24,7 +24,7 @@ Scope = Literal["layer", "per_layer", "run", "none"]
 END_TO_END = ("standard", "centralized", "varco", "tma", "grappa")
 WARM_STARTABLE = ("retexo", "centralized", "standard", "varco")
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
-LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: README)
+LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
 
 
 def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
@@ -76,7 +76,7 @@ class TrainConfig(BaseModel):
                                     strategies=("retexo", "centralized"), ge=1)
     lr: float | list[float] | None = option(
         None, f"Learning rate, one value or one per layer (comma list); default {LR}, except layer 1 of layer-wise "
-        f"GCN: {LAYERWISE_FIRST_LR['gcn']} (see the README's default recipe).", scope="per_layer")
+        f"GCN: {LAYERWISE_FIRST_LR['gcn']} (see docs/training.md, the default recipe).", scope="per_layer")
     epochs: int = option(200, "Epochs (steps) of the end-to-end strategies (0 only with warm_start: evaluate "
                          "the warm-start model as it is).", scope="run", strategies=END_TO_END, ge=0)
     seed: int = option(0, "Training seed, 0 to 2^32-1 (the seeds derived from it, seed x 1000 + layer + "

@@ -144,12 +144,14 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
     the best validation score (the first on ties); every candidate's traffic is in the log.
     Returns the evaluation context, the kept result and the choice (empty without a search)."""
     tried = []
-    for recipe in layer_candidates(ctx, 1):
+    candidates = layer_candidates(ctx, 1)
+    for which, recipe in enumerate(candidates):
         def refresh(period: int, transform: Callable[[Features], Features] = recipe.transform) -> PartData:
             data = load_refresh(period)
             return dataclasses.replace(data, x=transform(data.x))
 
-        mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=recipe.transform(ctx.data.x)), history=[])
+        mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=recipe.transform(ctx.data.x)), history=[],
+                                   candidate=(which, len(candidates)))
         eval_ctx, result = train_whole_model(mine, sink, refresh)
         tried.append((recipe, eval_ctx, result))
     recipe, eval_ctx, result = max(tried, key=lambda t: t[2].best_val)

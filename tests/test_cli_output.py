@@ -164,8 +164,9 @@ def test_train_logs_each_layer_with_the_best_val_accuracy_which_is_the_kept_mode
     assert len(lines) <= 16, lines
     kept = {}
     for layer in (1, 2):
-        rounds = [line for line in lines if line.startswith(f"layer {layer}: ") and "/12, best val" in line]
-        assert rounds and rounds[-1].startswith(f"layer {layer}: 12/12, best val "), lines
+        rounds = [line for line in lines if line.startswith(f"layer {layer}: ") and ", best val " in line]
+        # 12 rounds; layer 1 of --normalize-features auto trains two candidates in turn on Cora
+        assert rounds and rounds[-1].startswith(f"layer {layer}: {12 * (3 - layer)}/{12 * (3 - layer)}, best val "), lines
         (done,) = [line for line in lines if line.startswith(f"layer {layer}: trained in ")]
         kept[layer] = float(done.rsplit("keeps the model of best val ", 1)[1])
         assert float(rounds[-1].split("best val ")[1].split()[0]) == kept[layer]

@@ -31,7 +31,8 @@ class PartitionOptions(BaseModel):
     method: Literal["random", "metis", "supernode", "column"] = Field(
         "metis", description="random | metis | supernode | column.")
     parts: int = Field(4, ge=1, description="Number of partitions K (= workers).")
-    seed: int = Field(0, ge=0, description="Seed (random assignment, METIS, supernode dealing).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed (random assignment, METIS, supernode dealing), "
+                      "0 to 2^32-1 (METIS takes at most 2^63-1).")
     objective: Literal["cut", "vol"] = Field(
         "cut", description="METIS objective: cut (edge cut) or vol (communication volume).")
     clusters: int | None = Field(None, ge=1, description="supernode: number of METIS clusters (default 16 x parts).")

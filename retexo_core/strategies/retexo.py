@@ -338,7 +338,8 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     prepared = LayerInputs.exchanged(ctx, layer, ctx.config.model, own, [c.transform for c in candidates])
     history_start = len(ctx.history)
     tried = []  # (recipe, module, inputs, best, rounds trained, history)
-    for recipe, inputs in zip(candidates, prepared):
+    for which, (recipe, inputs) in enumerate(zip(candidates, prepared)):
+        ctx.candidate = (which, len(candidates))
         module = new_layer(ctx, layer, own["full"].shape[1])
         if initial is not None:
             module.load_state_dict(initial)
@@ -346,6 +347,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
         best, trained = fit_layer(ctx, layer, module, inputs)
         tried.append((recipe, module, inputs, best, trained, ctx.history[history_start:]))
         del ctx.history[history_start:]
+    ctx.candidate = (0, 1)
     recipe, module, inputs, best, trained, history = max(tried, key=lambda t: t[3].accuracy)  # first best wins
     ctx.history += history
     chosen: dict[str, object] = {}
