@@ -141,6 +141,7 @@ def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecip
     start from (PyG's own initialisation from ``seed`` otherwise)."""
     import torch_geometric.transforms as T
     from torch_geometric.data import Data
+    from torch_geometric.utils import to_torch_csr_tensor
 
     torch.manual_seed(seed)
     x = T.NormalizeFeatures()(Data(x=graph.x)).x if recipe.normalize else graph.x
@@ -148,11 +149,15 @@ def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecip
     for conv, state in zip(convs, initial or []):
         conv.load_state_dict(state)
     activation = F.elu if recipe.activation == "elu" else F.relu
+    # GCN and SAGE propagate with a sparse adjacency (adj_t[target, source], as PyG's large-graph
+    # examples after T.ToSparseTensor): the same sums as with edge_index, 5-10x faster on one core
+    edges = graph.edge_index if model == "gat" else to_torch_csr_tensor(graph.edge_index.flip(0),
+                                                                         size=(len(graph.y), len(graph.y)))
 
     def forward() -> torch.Tensor:
         h = x
         for k, conv in enumerate(convs):
-            h = conv(F.dropout(h, recipe.dropout, convs.training), graph.edge_index)
+            h = conv(F.dropout(h, recipe.dropout, convs.training), edges)
             if k < len(convs) - 1:
                 h = activation(h)
         return h
