@@ -46,13 +46,14 @@ GRAPH_METHODS = ("random", "metis", "supernode")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Each pytest-xdist worker gets a Prefect home of its own (a folder of the one it was given),
-    so that the temporary Prefect servers of ``retexo run`` commands in parallel workers never
-    share one SQLite database. Set (and made: Prefect makes only the last folder of its home)
-    before any test module imports Prefect."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect") / f"worker-{worker}"
+    """Each pytest-xdist worker gets a Prefect home of its own in this test run's temporary folder
+    (beside the worker's ``popen-gwN``), so that the temporary Prefect servers of ``retexo run``
+    commands never share one SQLite database with another worker or with another test run in the
+    same checkout. Set (and made: Prefect makes only the last folder of its home) before any test
+    module imports Prefect."""
+    worker, basetemp = os.environ.get("PYTEST_XDIST_WORKER"), config.option.basetemp
+    if worker and basetemp:
+        home = Path(basetemp).parent / f"prefect-home-{worker}"
         home.mkdir(parents=True, exist_ok=True)
         os.environ["PREFECT_HOME"] = str(home)
 

@@ -165,8 +165,12 @@ def test_the_demo_preset_prints_under_60_lines_and_ends_with_retexo_vs_standard(
     assert not any("rank" in line or "round" in line or "…" in line for line in lines), "\n".join(lines)
     steps = [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith(("layer", "epochs"))]
     assert list(dict.fromkeys(steps)) == ["layer 1", "layer 2", "epochs"], result.stderr
-    last_best = {step: line.split("best val ")[1].split()[0] for line in result.stderr.splitlines()
-                 for step in ("layer 2", "epochs") if line.startswith(f"{step}: 20/20, best val")}
+    progress = {step: line for line in result.stderr.splitlines() for step in ("layer 2", "epochs")
+                if line.startswith(f"{step}: ") and ", best val " in line}  # each step's last progress line
+    # complete: layer 2's 20 rounds; the baseline's 20 epochs for each of auto's two candidates on Cora
+    assert progress["layer 2"].startswith("layer 2: 20/20,") and progress["epochs"].startswith("epochs: 40/40,"), \
+        result.stderr
+    last_best = {step: line.split("best val ")[1].split()[0] for step, line in progress.items()}
     tail = result.stdout.splitlines()
     assert tail[-1].startswith("plot:") and Path(tail[-1].split(maxsplit=1)[1]).is_file()
     last_rows = tail[-4:-2]  # the table's two rows, then its bottom border, then the plot
