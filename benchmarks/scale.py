@@ -9,7 +9,13 @@ accuracy; and the fitted growth exponent of time and memory against the number o
 slope of log(value) against log(edges), least squares). As references it trains ``standard`` on
 the smallest graph (bytes and seconds per epoch) and ``centralized --layerwise`` (accuracy).
 
-    .venv/bin/python benchmarks/scale.py [--sizes 100000,300000,1000000] [--parts 8] [--store DIR]
+Next to every command's measured peak it prints the memory estimate that the command checked
+before it started (``graphstore.limits``, computed from the same dataset, partition and options)
+and their ratio. ``--out`` keeps the measurements as JSON; ``--tables FILE --store DIR`` prints the
+tables again from them, with the estimates of the current code (the store must be the one measured).
+
+    .venv/bin/python benchmarks/scale.py [--sizes 100000,300000,1000000] [--parts 8] [--store DIR] [--out FILE]
+    .venv/bin/python benchmarks/scale.py --tables FILE --store DIR
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import Measured, run_measured  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 RETEXO = [sys.executable, "-m", "flows.cli"]
 KINDS = ("halo_features", "halo_embeddings", "grad_sync", "control")
 
@@ -79,6 +86,29 @@ def measure_size(store: Path, nodes: int, parts: int, models: list[str]) -> dict
     return {"name": name, "nodes": nodes, "edges": edges, "rows": rows, "manifests": manifests}
 
 
+def estimates(store: Path, result: dict, parts: int, models: list[str]) -> dict[str, int]:
+    """The memory estimate each command of ``result`` checks before it starts, in bytes."""
+    from graphstore.ingest.synthetic import SyntheticOptions, memory_estimate
+    from graphstore.layout import Store
+    from graphstore.limits import partition_estimate
+    from graphstore.lookup import find_dataset, find_partition
+    from graphstore.partition.methods import PartitionOptions
+    from retexo_core.comm.network import NetworkModel
+    from retexo_core.config import TrainConfig
+    from runner.lifecycle import training_memory
+    from runner.plan import plan_run
+
+    st = Store.open(store)
+    ref = find_dataset(st, result["name"])
+    partition = find_partition(st, ref, PartitionOptions(parts=parts))
+    found = {"ingest": memory_estimate(SyntheticOptions(name=result["name"], nodes=result["nodes"], avg_degree=20)),
+             "partition": partition_estimate(ref.num_nodes, ref.num_edges, parts)}
+    for model in models:
+        plan = plan_run(st, ref, partition, TrainConfig(model=model), NetworkModel())
+        found[f"train {model} (command)"] = training_memory(plan, plan.world)
+    return {stage: estimate.bytes for stage, estimate in found.items()}
+
+
 def reference(store: Path, name: str, parts: int, *args: str) -> dict:
     measured = retexo(store, "train", name, "--parts", str(parts), *args)
     manifest = json.loads((newest_run(store) / "manifest.json").read_text())
@@ -103,7 +133,15 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None)
     parser.add_argument("--models", default="gcn,sage", help="retexo models trained at every size")
     parser.add_argument("--reference-epochs", type=int, default=20, help="epochs of the standard reference")
+    parser.add_argument("--out", type=Path, help="also write the measurements as JSON here")
+    parser.add_argument("--tables", type=Path, help="only print the tables of an earlier --out file (with --store)")
     args = parser.parse_args()
+    if args.tables:
+        if args.store is None:
+            parser.error("--tables needs the --store that was measured")
+        measured = json.loads(args.tables.read_text())
+        print_tables(measured, args.store)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="retexo-scale-") as tmp:
@@ -112,6 +150,25 @@ def main() -> None:
         small = results[0]["name"]
         standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs", str(args.reference_epochs))
         layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise")
+        measured = {"parts": args.parts, "models": models, "results": results, "standard": standard,
+                    "layerwise": layerwise}
+        if args.out:
+            args.out.write_text(json.dumps(measured, indent=1))
+        print_tables(measured, store)
+
+
+def print_tables(measured: dict, store: Path) -> None:
+    results, models, parts = measured["results"], measured["models"], measured["parts"]
+    standard, layerwise, small = measured["standard"], measured["layerwise"], measured["results"][0]["name"]
+    print("\n| graph | edges | stage | estimate checked before the command (GB) | peak RSS, process tree (GB) | "
+          "estimate / measured |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        estimated = estimates(store, r, parts, models)
+        for stage, _, tree, _ in r["rows"]:
+            if stage in estimated:
+                print(f"| {r['name']} | {r['edges']:,} | {stage} | {gb(estimated[stage])} | {gb(tree)} | "
+                      f"{estimated[stage] / tree:.2f} |")
 
     print("\n| graph | edges | stage | seconds | peak RSS, process tree (GB) | peak RSS, largest process (GB) |")
     print("|---|---|---|---|---|---|")

@@ -31,6 +31,7 @@ from retexo_core.config import TrainConfig
 if TYPE_CHECKING:
     from graphstore.manifests import RunManifest
     from runner.lifecycle import LayerProgress
+    from runner.preview import Preview
 
 TRAIN = OptionGroup("train", TrainConfig)
 PARTITION = OptionGroup("partition", PartitionOptions, prefix="partition-", unprefixed=frozenset({"parts"}))
@@ -96,9 +97,45 @@ def show_comparison(runs: list[RunManifest]) -> None:
                   f"{r.sim_comm_s:.1f}", f"{r.wall_s:.1f}"] for r in runs])
 
 
+def show_preview(preview: Preview) -> None:
+    """The plan and the memory estimates of ``retexo train --dry-run``; exit code 2 when the
+    command would be refused."""
+    from graphstore.limits import human
+
+    d = preview.dataset
+    rows = [["dataset", f"{d.name} ({d.fp}): {d.num_nodes:,} nodes, {d.num_edges:,} edges, "
+                        f"{d.num_features:,} features"]]
+    if preview.partition is not None:
+        p = preview.partition
+        rows.append(["partition", f"{p.fp}: {p.method} into {p.parts} parts, {p.halo_total:,} halo rows (stored)"])
+    elif preview.partition_to_build is not None:
+        o = preview.partition_to_build
+        rows.append(["partition", f"to be built: {o.method} into {o.parts} parts (seed {o.seed}); halo not known "
+                                  "yet, the estimate takes the largest it can be"])
+    else:
+        rows.append(["partition", "none: the whole graph in one process"])
+    plan = preview.plan
+    if plan is not None:
+        rows.append(["run", f"{plan.run_fp}: {plan.config.strategy} {plan.config.model}, {plan.world} worker(s)"])
+        rows += [[f"layer {layer}", state] for layer, state in preview.layer_states.items()]
+    else:
+        rows.append(["run", "its fingerprint follows from the partition's, once built"])
+    for estimate in preview.estimates:
+        rows.append(["memory", f"{estimate.what}: about {human(estimate.bytes)}"])
+    rows.append(["available", f"{human(preview.available)} now: "
+                              + ("fits" if preview.fits else "does not fit, the command would be refused")])
+    print_table("dry run: nothing is built, trained or written", ["", "plan"], rows)
+    if not preview.fits:
+        raise typer.Exit(2)
+
+
 def train_cmd(
     dataset: Annotated[str, typer.Argument(help="Dataset name (newest version) or fingerprint.")],
     store: StoreOption = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (partition, run, layers to train) "
+                                          "and the memory estimates against the memory available, then stop: "
+                                          "nothing is built, started or written. Exit code 2 when it would not "
+                                          "fit.")] = False,
     **options: Any,
 ) -> None:
     """Train a GNN over the partitions and print accuracy, bytes by kind, simulated and wall time."""
@@ -111,6 +148,11 @@ def train_cmd(
     config = collect(TRAIN, options)
     partition_options = collect(PARTITION, options)
     check_local_workers(partition_options.parts, config.strategy)  # type: ignore[attr-defined]
+    if dry_run:
+        from runner.preview import preview_training
+
+        show_preview(preview_training(st, dataset, partition_options, config, collect(NETWORK, options)))  # type: ignore[arg-type]
+        return
     ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0,
                                         force=config.force)  # type: ignore[attr-defined]
     plan = plan_run(st, ref, partition, config, collect(NETWORK, options))

@@ -27,8 +27,11 @@ TABLE_PER_EDGE = 80  # Arrow columns, int64 copies, sort and de-duplication
 TABLE_PER_NODE = 64
 PARTITION_PER_EDGE = 200  # CSR adjacency, METIS's own graph and workspace, per-part edge lists (4.0 GB at 20M)
 PARTITION_PER_NODE = 80
-WORKER_BASE = 400 * 2**20  # one worker process: the Python interpreter, torch and gloo
-ACTIVATION_COPIES = 2  # per layer: the hidden rows and their gradient (buffers are reused between rounds)
+WORKER_BASE = 550 * 2**20  # one worker process: the Python interpreter, torch, gloo, Parquet buffers
+COMMAND_BASE = 300 * 2**20  # the launching command (retexo train / worker) beside its workers
+ROW_COPIES = 8  # rows per owned node of a layer's widest row (inputs, aggregate, outputs, gradients, next inputs)
+ACTIVATION_COPIES = 2  # end to end, per further layer: the hidden rows and their gradient
+EDGE_BYTES = 64  # a local edge: its ids as read, the CSR adjacency (int64 column, float32 weight) and its transpose
 ADAM_COPIES = 4  # a parameter, its gradient and Adam's two moments
 
 
@@ -101,27 +104,34 @@ def partition_estimate(nodes: int, edges: int, parts: int) -> Estimate:
 
 
 def training_estimate(*, nodes: int, edges: int, features: int, feature_bytes: int, sparse: bool, hidden: int,
-                      layers: int, workers: int, halo_nodes: int, heads: int = 1) -> Estimate:
+                      layers: int, workers: int, halo_nodes: int, heads: int = 1, layerwise: bool = True) -> Estimate:
     """Training on one machine with ``workers`` processes, each holding 1/workers of the graph.
 
-    Per worker: the process itself (``WORKER_BASE``); its owned and halo nodes' input features
-    (``feature_bytes`` is the dataset's decoded feature matrix: N x F x 4 dense, or its non-zeros
-    x 8 sparse) three times (raw, aggregated, normalised); ``ACTIVATION_COPIES`` float32 rows of
-    width ``hidden`` per owned or halo node and layer; its edges (int64 pairs, x2, and one float32
-    attention coefficient per head for GAT); and the model, whose first layer is F x hidden,
+    Per worker: the process itself (``WORKER_BASE``); ``ROW_COPIES`` rows per owned node (10 % more
+    for imbalance) of the widest layer's row, ``max(input row, hidden x 4 B)`` (``feature_bytes``
+    is the dataset's decoded feature matrix: N x F x 4 dense, or its non-zeros x 8 sparse): a
+    layer's inputs, their aggregate, its outputs, their gradients and the rows written for the
+    next layer; the halo rows of that width, one peer's at a time under layer-wise training
+    (``halo_nodes / (workers - 1)``: they are aggregated as they arrive), all of them and every
+    layer's activations at once end to end; ``EDGE_BYTES`` per local edge (plus one float32
+    attention coefficient per GAT head); and the model, whose first layer is F x hidden,
     ``ADAM_COPIES`` times. A sparse input also keeps its transpose's row pointer, (F + 1) int64.
-    Calibrated on ``benchmarks/scale.py`` (1M nodes, 20M edges, 8 workers, GCN): 14.0 GB estimated,
-    15.1 GB measured for the whole process tree.
+    The whole tree adds the launching command (``COMMAND_BASE``). Calibrated on
+    ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and SAGE; see docs/scale.md).
     """
     share = 1.0 / workers
-    rows = nodes * share * 1.1 + halo_nodes * share  # 10 % for imbalance between parts
-    inputs = feature_bytes * (rows / max(nodes, 1)) * 3
-    activations = rows * hidden * 4 * ACTIVATION_COPIES * layers
-    graph = edges * share * 1.1 * (16 * 2 + 4 * heads)
+    owned = nodes * share * 1.1  # 10 % for imbalance between parts
+    halo = halo_nodes * share
+    width = max(feature_bytes / max(nodes, 1), hidden * 4)  # bytes of the widest row a layer holds
+    if layerwise:
+        rows = owned * ROW_COPIES * width + halo / max(workers - 1, 1) * width
+    else:
+        rows = (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES * max(layers - 1, 0))
+    graph = edges * share * 1.1 * (EDGE_BYTES + 4 * heads)
     model = (features * hidden + max(layers - 1, 0) * hidden * hidden) * 4 * ADAM_COPIES
     transpose = (features + 1) * 8 if sparse else 0
-    per_worker = WORKER_BASE + inputs + activations + graph + model + transpose
+    per_worker = WORKER_BASE + rows + graph + model + transpose
     return Estimate(
         f"training with {workers} worker process(es) ({features:,} input features, hidden {hidden}) "
-        f"on {nodes:,} nodes", int(per_worker * workers),
+        f"on {nodes:,} nodes", int(per_worker * workers + COMMAND_BASE),
         "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features")

@@ -36,11 +36,10 @@ from graphstore.catalog import refresh_catalog
 from graphstore.errors import RetexoError, StoreError
 from graphstore.history import hold_run, mark_abandoned, record_run_event
 from graphstore.integrity import intact_manifest
-from graphstore.limits import Estimate, check_memory, training_estimate
+from graphstore.limits import Estimate, check_memory
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_layer, find_partition, layer_fp_of
 from graphstore.manifests import RunManifest, read_manifest
-from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
@@ -49,6 +48,7 @@ from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
                            run_workers)
 from runner.plan import RunPlan, layer_state
+from runner.preview import memory_for
 from runner.results import RoundProgress, StageSpec, clear_progress, read_progress
 from runner.worker import WorkerJob
 
@@ -302,16 +302,8 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
 def training_memory(plan: RunPlan, local_ranks: int) -> Estimate:
     """The memory estimate of this node's ``local_ranks`` workers, from the dataset's manifest, its
     features file's footer and the partition's halo size (nothing is loaded)."""
-    ref = find_dataset(plan.store, plan.dataset_fp)
-    dataset = ref.manifest
-    features = decoded_feature_bytes(ref.path / "features.parquet",
-                                     dataset.feature_format, dataset.num_nodes, dataset.num_features)
     halo = 0 if plan.whole_graph else PartitionRef.at(Path(plan.source_dir)).halo_total
-    cfg = plan.config
-    return training_estimate(nodes=dataset.num_nodes, edges=dataset.num_edges, features=dataset.num_features,
-                             feature_bytes=features, sparse=dataset.feature_format == "sparse", hidden=cfg.hidden,
-                             layers=cfg.layers, workers=max(plan.world, 1), halo_nodes=halo,
-                             heads=cfg.heads if cfg.model == "gat" else 1).scaled(local_ranks / max(plan.world, 1))
+    return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo, local_ranks)
 
 
 def training_sources(store: Store, dataset: str, options: PartitionOptions, strategy: str,

@@ -74,6 +74,49 @@ def test_a_92_byte_feature_file_naming_feature_1e8_cannot_start_a_training(tmp_p
     assert data(snapshot(store)) == data(before)
 
 
+def test_a_dry_run_prints_the_plan_and_the_estimates_and_writes_nothing(store_with_dataset: Path) -> None:
+    before = snapshot(store_with_dataset)
+    result = run_cli("train", "base", "--parts", 2, "--partition-method", "random", "--dry-run",
+                     store=store_with_dataset)
+    assert result.returncode == 0, result.stderr
+    text = flat(result.stdout)
+    for words in ("to be built: random into 2 parts", "partitioning 60 nodes", "training with 2 worker process(es)",
+                  "fits"):
+        assert words in text, text
+    assert snapshot(store_with_dataset) == before  # no partition, no run, no lock file
+    assert run_cli("partition", "base", "--parts", 2, "--method", "random", store=store_with_dataset).returncode == 0
+    result = run_cli("train", "base", "--parts", 2, "--partition-method", "random", "--dry-run",
+                     store=store_with_dataset)
+    text = flat(result.stdout)
+    assert "(stored)" in text and "layer 1 │ pending" in text and "layer 2 │ pending" in text, text
+    assert "partitioning" not in text
+
+
+def test_a_dry_run_that_would_not_fit_exits_2_and_names_the_estimate(tmp_path: Path) -> None:
+    files = write_tables(tmp_path / "input", num_nodes=60)
+    ids = [int(line.split(",")[0]) for line in files.nodes.read_text().splitlines()[1:]]
+    features = tmp_path / "features.json"
+    features.write_text(json.dumps({str(i): [0, 100_000_000] if i == ids[0] else [1] for i in ids}))
+    store = tmp_path / "store"
+    assert run_cli("ingest", "tables", "--name", "wide", "--edges", files.edges, "--nodes", files.nodes,
+                   "--features", features, store=store).returncode == 0
+    before = snapshot(store)
+    result = run_cli("train", "wide", "--strategy", "centralized", "--dry-run", store=store)
+    assert result.returncode == 2, result.stderr
+    assert "100,000,001 input features" in flat(result.stdout) and "would be refused" in flat(result.stdout)
+    assert snapshot(store) == before
+
+
+def test_the_training_estimate_follows_the_measured_peaks_of_docs_scale() -> None:
+    """``benchmarks/scale.py``'s process-tree peaks of retexo GCN (synthetic graphs, average degree
+    20, 64 dense features, METIS into 8, hidden 256): the estimate within -10 % / +30 %."""
+    measured = {100_000: (75_000 * 8, 5.68e9), 300_000: (225_000 * 8, 7.87e9), 1_000_000: (750_000 * 8, 15.11e9)}
+    for nodes, (halo, peak) in measured.items():
+        estimate = training_estimate(nodes=nodes, edges=20 * nodes, features=64, feature_bytes=nodes * 64 * 4,
+                                     sparse=False, hidden=256, layers=2, workers=8, halo_nodes=halo).bytes
+        assert 0.9 <= estimate / peak <= 1.3, (nodes, estimate / peak)
+
+
 def test_force_turns_the_refusal_into_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     estimate = Estimate("something", 10 * 2**30, "make it smaller")
     with pytest.raises(ResourceError, match="something needs about 10.0 GB.*1.0 GB is available.*--force"):
@@ -91,7 +134,7 @@ def test_estimates_grow_with_their_inputs() -> None:
     base = dict(nodes=2708, edges=10556, features=1433, feature_bytes=2708 * 18 * 8, sparse=True, hidden=256,
                 layers=2, workers=4, halo_nodes=4616)
     cora = training_estimate(**base).bytes
-    assert cora < 2 * 2**30  # Cora in 4 workers fits in a few hundred MB each
+    assert cora < 3 * 2**30  # Cora in 4 workers: 2.36 GB measured for the tree (0.51 GB its largest process)
     assert training_estimate(**{**base, "hidden": 512}).bytes > cora
     assert training_estimate(**{**base, "features": 100_000_001}).bytes > 100 * 2**30
 
