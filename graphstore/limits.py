@@ -3,10 +3,12 @@ estimated from its inputs and compared with the memory available on this machine
 
 A request whose estimate exceeds the available memory is refused with one line (what needs how
 much, what is available, what to do) before anything is allocated; ``force`` turns the refusal
-into a logged warning. The estimates are deliberately simple: bytes per node, per edge and per
-feature value of the arrays each step holds at its peak, with the constants below (measured on
-this project's own runs, rounded up). They aim to catch requests that cannot fit (a 5e9-node
-graph, a 1e8-wide feature vocabulary times a hidden layer), not to predict the peak exactly.
+into a logged warning. The estimates are simple: a command's own process, plus bytes per node,
+per edge and per feature value of the arrays each step holds at its peak, with the constants
+below, calibrated on ``benchmarks/scale.py`` (synthetic graphs of 100k, 300k and 1M nodes, GCN and
+SAGE): each estimate is within -10 % / +30 % of the measured peak of the command's whole process
+tree (docs/scale.md prints them side by side). They also catch requests that cannot fit (a 5e9-node
+graph, a 1e8-wide feature vocabulary times a hidden layer) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from graphstore.errors import RetexoError
 log = logging.getLogger(__name__)
 
 # Bytes held at the peak, per item (see each estimate's docstring).
-SYNTHETIC_PER_EDGE = 75  # candidate keys, their sorted unique copy and both directions (int64)
+COMMAND_BASE = 256 * 2**20  # a command's own process: the Python interpreter, NumPy, Arrow (and torch for training)
+SYNTHETIC_PER_EDGE = 24  # both directions of an edge, int64, held while its chunk is sorted and written
 SYNTHETIC_PER_NODE = 64  # labels, class members, split strings
 TABLE_PER_EDGE = 80  # Arrow columns, int64 copies, sort and de-duplication
 TABLE_PER_NODE = 64
-PARTITION_PER_EDGE = 200  # CSR adjacency, METIS's own graph and workspace, per-part edge lists (4.0 GB at 20M)
+PARTITION_PER_EDGE = 170  # CSR adjacency, METIS's own graph and workspace, per-part edge lists (3.7 GB at 20M)
 PARTITION_PER_NODE = 80
 WORKER_BASE = 550 * 2**20  # one worker process: the Python interpreter, torch, gloo, Parquet buffers
-COMMAND_BASE = 300 * 2**20  # the launching command (retexo train / worker) beside its workers
 ROW_COPIES = 8  # rows per owned node of a layer's widest row (inputs, aggregate, outputs, gradients, next inputs)
 ACTIVATION_COPIES = 2  # end to end, per further layer: the hidden rows and their gradient
 EDGE_BYTES = 64  # a local edge: its ids as read, the CSR adjacency (int64 column, float32 weight) and its transpose
@@ -82,7 +84,8 @@ def synthetic_estimate(nodes: int, avg_degree: float, features: int, node_chunk:
     """A generated graph: its directed edges (``nodes * avg_degree``) and nodes are held whole, the
     features one chunk of ``node_chunk`` nodes at a time (float32, with two temporaries)."""
     edges = nodes * avg_degree
-    needed = edges * SYNTHETIC_PER_EDGE + nodes * SYNTHETIC_PER_NODE + min(nodes, node_chunk) * features * 4 * 3
+    needed = (COMMAND_BASE + edges * SYNTHETIC_PER_EDGE + nodes * SYNTHETIC_PER_NODE
+              + min(nodes, node_chunk) * features * 4 * 3)
     return Estimate(f"generating {nodes:,} nodes and {edges:,.0f} edges", int(needed),
                     "use fewer nodes or a lower --avg-degree")
 
@@ -91,14 +94,14 @@ def tables_estimate(edge_rows: int, node_rows: int, feature_bytes: int, undirect
     """Ingesting tables: every edge (twice when ``undirected``) and node row is held as int64
     arrays with sorting copies; ``feature_bytes`` is the decoded size of the feature matrix."""
     edges = edge_rows * (2 if undirected else 1)
-    needed = edges * TABLE_PER_EDGE + node_rows * TABLE_PER_NODE + feature_bytes
+    needed = COMMAND_BASE + edges * TABLE_PER_EDGE + node_rows * TABLE_PER_NODE + feature_bytes
     return Estimate(f"ingesting {node_rows:,} nodes and {edges:,} edges", int(needed),
                     "ingest a smaller graph or fewer feature columns")
 
 
 def partition_estimate(nodes: int, edges: int, parts: int) -> Estimate:
     """Partitioning: the whole adjacency in CSR form (and METIS's copy of it) plus per-part lists."""
-    needed = nodes * PARTITION_PER_NODE + edges * PARTITION_PER_EDGE
+    needed = COMMAND_BASE + nodes * PARTITION_PER_NODE + edges * PARTITION_PER_EDGE
     return Estimate(f"partitioning {nodes:,} nodes and {edges:,} edges into {parts} parts", int(needed),
                     "partition a smaller graph")
 
