@@ -341,6 +341,10 @@ def main() -> None:
     except OSError as exc:  # a full disk, a read-only or vanished file system, permissions
         err.print(f"[bold red]error:[/] {escape(os_error_line(exc))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
+    except MemoryError as exc:  # more than the estimate foresaw, or a memory limit set on the process
+        err.print(f"[bold red]error:[/] out of memory ({escape(str(exc) or 'no detail')}): nothing half-written "
+                  "is left in the store; free memory, or make the request smaller", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
 
 
 def os_error_line(exc: OSError) -> str:

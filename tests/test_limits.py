@@ -35,10 +35,10 @@ def refused(result: subprocess.CompletedProcess[str], *words: str) -> str:
     return lines[0]
 
 
-def run_limited(*args: object, store: Path) -> subprocess.CompletedProcess[str]:
-    """The real CLI under an address-space limit of ``ADDRESS_SPACE_LIMIT``."""
+def run_limited(*args: object, store: Path, limit_bytes: int = ADDRESS_SPACE_LIMIT) -> subprocess.CompletedProcess[str]:
+    """The real CLI under an address-space limit of ``limit_bytes``."""
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
     return subprocess.run([*RETEXO, *map(str, args), "--store", str(store)], cwd=REPO, env=cli_env(),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, preexec_fn=limit)
@@ -47,12 +47,23 @@ def run_limited(*args: object, store: Path) -> subprocess.CompletedProcess[str]:
 # --------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("nodes", [50_000_000, 5_000_000_000])
+@pytest.mark.parametrize("nodes", [500_000_000, 5_000_000_000])
 def test_an_oversized_synthetic_graph_is_refused_before_any_allocation(tmp_path: Path, nodes: int) -> None:
     store = tmp_path / "store"
     result = run_limited("ingest", "synthetic", "--name", "huge", "--nodes", nodes, "--avg-degree", 10, store=store)
     refused(result, f"generating {nodes:,} nodes", "needs about", "is available", "--force")
     assert not (store / "datasets").exists()
+
+
+def test_running_out_of_memory_after_the_estimate_is_one_line_and_leaves_no_dataset(tmp_path: Path) -> None:
+    """50M nodes fit the estimate on a 24 GB machine (about 15 GB), not the 1.5 GB address space of the test."""
+    store = tmp_path / "store"
+    result = run_limited("ingest", "synthetic", "--name", "big", "--nodes", 50_000_000, "--avg-degree", 10,
+                         "--force", store=store, limit_bytes=3 * 2**29)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after the generator's progress lines
+    assert last.startswith("error: out of memory") and "nothing half-written" in last, last
+    assert not list(store.glob("datasets/name=big/fp=*/manifest.json"))
 
 
 def test_a_92_byte_feature_file_naming_feature_1e8_cannot_start_a_training(tmp_path: Path) -> None:
