@@ -66,8 +66,8 @@ def test_running_out_of_memory_after_the_estimate_is_one_line_and_leaves_no_data
     assert not list(store.glob("datasets/name=big/fp=*/manifest.json"))
 
 
-def test_a_92_byte_feature_file_naming_feature_1e8_cannot_start_a_training(tmp_path: Path) -> None:
-    """The features ingest fine (they are stored sparse); a first layer of 1e8 x 256 weights is refused."""
+def wide_features_store(tmp_path: Path) -> Path:
+    """A store with dataset ``wide``: 60 nodes whose 92-byte sparse feature file names feature 1e8."""
     files = write_tables(tmp_path / "input", num_nodes=60)
     ids = [int(line.split(",")[0]) for line in files.nodes.read_text().splitlines()[1:]]
     features = tmp_path / "features.json"
@@ -76,6 +76,12 @@ def test_a_92_byte_feature_file_naming_feature_1e8_cannot_start_a_training(tmp_p
     ingested = run_cli("ingest", "tables", "--name", "wide", "--edges", files.edges, "--nodes", files.nodes,
                        "--features", features, store=store)
     assert ingested.returncode == 0, ingested.stderr
+    return store
+
+
+def test_a_92_byte_feature_file_naming_feature_1e8_cannot_start_a_training(tmp_path: Path) -> None:
+    """The features ingest fine (they are stored sparse); a first layer of 1e8 x 256 weights is refused."""
+    store = wide_features_store(tmp_path)
     before = snapshot(store)
     result = run_limited("train", "wide", "--parts", 2, "--partition-method", "random", store=store)
     refused(result, "100,000,001 input features", "needs about", "--force")
@@ -105,13 +111,7 @@ def test_a_dry_run_prints_the_plan_and_the_estimates_and_writes_nothing(store_wi
 
 
 def test_a_dry_run_that_would_not_fit_exits_2_and_names_the_estimate(tmp_path: Path) -> None:
-    files = write_tables(tmp_path / "input", num_nodes=60)
-    ids = [int(line.split(",")[0]) for line in files.nodes.read_text().splitlines()[1:]]
-    features = tmp_path / "features.json"
-    features.write_text(json.dumps({str(i): [0, 100_000_000] if i == ids[0] else [1] for i in ids}))
-    store = tmp_path / "store"
-    assert run_cli("ingest", "tables", "--name", "wide", "--edges", files.edges, "--nodes", files.nodes,
-                   "--features", features, store=store).returncode == 0
+    store = wide_features_store(tmp_path)
     before = snapshot(store)
     result = run_cli("train", "wide", "--strategy", "centralized", "--dry-run", store=store)
     assert result.returncode == 2, result.stderr
