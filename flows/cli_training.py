@@ -100,8 +100,6 @@ def show_comparison(runs: list[RunManifest]) -> None:
 def show_preview(preview: Preview) -> None:
     """The plan and the memory estimates of ``retexo train --dry-run``; exit code 2 when the
     command would be refused."""
-    from graphstore.limits import human
-
     d = preview.dataset
     rows = [["dataset", f"{d.name} ({d.fp}): {d.num_nodes:,} nodes, {d.num_edges:,} edges, "
                         f"{d.num_features:,} features"]]
@@ -121,8 +119,8 @@ def show_preview(preview: Preview) -> None:
     else:
         rows.append(["run", "its fingerprint follows from the partition's, once built"])
     for estimate in preview.estimates:
-        rows.append(["memory", f"{estimate.what}: about {human(estimate.bytes)}"])
-    rows.append(["available", f"{human(preview.available)} now: "
+        rows.append(["memory", f"{estimate.what}: about {human_bytes(estimate.bytes)}"])
+    rows.append(["available", f"{human_bytes(preview.available)} now: "
                               + ("fits" if preview.fits else "does not fit, the command would be refused")])
     print_table("dry run: nothing is built, trained or written", ["", "plan"], rows)
     if not preview.fits:
