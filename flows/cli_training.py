@@ -74,6 +74,12 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
         out.print(title)
     print_table("evaluation", ["split", "accuracy", "macro_f1", "roc_auc", "nodes"],
                 [[r["split"], r["accuracy"], r["macro_f1"], r["roc_auc"], r["nodes"]] for r in m.evaluation])
+    recipe = m.recipe.get("layers", {})
+    if recipe:
+        print_table("recipe (reuse it: --recipe <run folder>/recipe.json)", ["layer", "features", "norm", "decay",
+                    "dropout", "lr"], [[layer, *(knobs.get(k, "") for k in ("features", "norm", "decay", "dropout",
+                                                                               "lr"))]
+                                      for layer, knobs in recipe.items()])
     rows = [[kind, human_bytes(b), b] for kind, b in sorted(m.bytes_by_kind.items())]
     rows.append(["total", human_bytes(m.total_bytes), m.total_bytes])
     print_table("bytes on the wire", ["kind", "size", "bytes"], rows)

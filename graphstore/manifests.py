@@ -170,6 +170,7 @@ class RunManifest(Manifest):
     status: str = "completed"
     site: int | None = None  # a run of sites: this site's rank (0 coordinates; world = parts)
     bytes_by_site: dict[str, int] = {}  # the coordinator of a run of sites: every site's bytes sent
+    recipe: dict[str, Any] = {}  # {"layers": {"1": knob values, ...}}: what each layer trained with (recipe.json)
 
     def accuracy(self, split: str) -> float:
         return next(float(r["accuracy"]) for r in self.evaluation if r["split"] == split)

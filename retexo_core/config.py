@@ -13,6 +13,7 @@ Each field carries its help text and, in ``json_schema_extra``, how it enters th
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -54,6 +55,14 @@ class TrainConfig(BaseModel):
         "gives them), or auto: chosen on validation when the features are non-negative (layer-wise training "
         "trains layer 1 on both from its one halo exchange and keeps the better; end-to-end strategies train "
         "the whole model on both and keep the better).", scope="layer")
+    recipe: str = option(
+        "auto", "auto: choose the recipe (feature normalisation, LayerNorm, weight decay, dropout, learning rate) on "
+        "validation, knob by knob: per layer from its one halo exchange for layer-wise training, the whole model "
+        "for centralized (other end-to-end strategies search the feature normalisation only); default: the "
+        "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
+    recipe_screen: int = option(50, "recipe auto, layer-wise: rounds each alternative recipe trains before the best "
+                                "one so far goes on to the layer's full rounds.", scope="layer",
+                                strategies=("retexo", "centralized"), ge=1)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
@@ -65,6 +74,8 @@ class TrainConfig(BaseModel):
     norm: Literal["none", "layer"] = option(
         "none", "Normalisation in hidden blocks: none (conv -> ReLU) or layer (conv -> LayerNorm -> ReLU).",
         scope="layer")
+    skip: bool = option(False, "GCN / GAT blocks: add a linear transform of the node's own input row to the conv "
+                        "(a skip connection, like SAGE's root weight; no extra traffic).", scope="layer")
     patience: int | None = option(None, "Early stopping: stop a layer (or an end-to-end run) when validation "
                                   "accuracy has not improved for this many rounds or epochs; none = never.",
                                   scope="layer", strategies=("retexo", "centralized", "standard", "varco"), ge=1)
@@ -138,6 +149,27 @@ class TrainConfig(BaseModel):
             raise ValueError("must be positive (one value, or one per layer)")
         return value
 
+    @field_validator("recipe", mode="before")
+    @classmethod
+    def _recipe(cls, value: Any) -> str:
+        """auto, default, or a recipe (a file's path, a JSON object or its text) kept as canonical
+        JSON text, so that the fingerprints follow its content, not its path."""
+        from pathlib import Path
+
+        from retexo_core.recipe import checked_recipe, read_recipe_file
+
+        if value in ("auto", "default"):
+            return value
+        if isinstance(value, dict):
+            layers = checked_recipe(value, "recipe")
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            layers = checked_recipe(json.loads(value), "recipe")
+        elif isinstance(value, str) and value:
+            layers = read_recipe_file(Path(value))
+        else:
+            raise ValueError("expected auto, default or a recipe file")
+        return json.dumps({"layers": {str(k): layers[k] for k in sorted(layers)}}, sort_keys=True)
+
     @field_validator("rounds")
     @classmethod
     def _non_negative(cls, value: int | list[int]) -> int | list[int]:
@@ -175,6 +207,13 @@ class TrainConfig(BaseModel):
         if name == "lr" and value is None:
             return LAYERWISE_FIRST_LR.get(self.model, LR) if self.is_layerwise and layer == 1 else LR
         return value[layer - 1] if isinstance(value, list) else value
+
+    @property
+    def fixed_recipe(self) -> dict[int, dict[str, Any]] | None:
+        """Layer -> knob values of a recipe file (None for auto and default)."""
+        if self.recipe in ("auto", "default"):
+            return None
+        return {int(k): v for k, v in json.loads(self.recipe)["layers"].items()}
 
     def layer_rounds(self, layer: int) -> int:
         return int(self.per_layer("rounds", layer))

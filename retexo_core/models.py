@@ -206,7 +206,7 @@ class Aggregated:
     """A layer's frozen, aggregated inputs of the owned nodes (computed once per layer).
 
     neigh: (n, d) GCN: Â·X; SAGE: the neighbour mean.
-    own: (n, d) SAGE: the node's own input row; None for GCN.
+    own: (n, d) the node's own input row (SAGE, and GCN blocks with a skip connection); else None.
     """
 
     neigh: Features
@@ -236,10 +236,12 @@ def _drop(x: Features, p: float, gen: torch.Generator | None, training: bool) ->
 
 class Block(nn.Module):
     """``conv -> ReLU`` (hidden; ``conv -> LayerNorm -> ReLU`` with ``norm``) or ``conv`` (last layer);
-    dropout rate ``dropout``."""
+    dropout rate ``dropout``. With ``skip`` (GCN, GAT) the conv's output gets a linear transform of
+    the node's own input row added (``skip``: in -> out, no bias), as SAGE's root weight does: the
+    node's own features are not mixed into its neighbours' (it needs no other rows)."""
 
     def __init__(self, model: ModelName, in_dim: int, out_dim: int, heads: int, dropout: float, last: bool,
-                 norm: bool = False):
+                 norm: bool = False, skip: bool = False):
         super().__init__()
         self.model = model
         self.p = dropout
@@ -247,13 +249,15 @@ class Block(nn.Module):
         self.last = last
         self.conv = make_conv(model, in_dim, out_dim, heads, last)
         self.norm = nn.LayerNorm(out_dim) if norm and not last else None
+        self.skip = glorot_linear(in_dim, out_dim) if skip and model != "sage" else None
 
     # -- propagation -----------------------------------------------------------------------
     def propagate(self, x: Features, graph: LocalGraph) -> torch.Tensor:
         """(N, in) local inputs -> (n, out) conv outputs of the graph's target rows (before norm)."""
         conv, adj, n = self.conv, graph.adj, graph.num_owned
+        skip = 0.0 if self.skip is None else matmul(graph.own_rows(x), self.skip.weight.t())
         if self.model == "gcn":
-            return aggregate_linear(adj, x, conv.lin.weight.t()) + conv.bias
+            return aggregate_linear(adj, x, conv.lin.weight.t()) + conv.bias + skip
         if self.model == "sage":
             neigh = aggregate_linear(adj, x, conv.lin_l.weight.t())
             return neigh + conv.lin_l.bias + matmul(graph.own_rows(x), conv.lin_r.weight.t())
@@ -263,7 +267,7 @@ class Block(nn.Module):
         a_dst = (graph.own_rows(h) * conv.att_dst).sum(-1)
         out = gat_aggregate(adj, h, a_src, a_dst, conv.negative_slope)
         out = out.reshape(n, heads * channels) if conv.concat else out.mean(dim=1)
-        return out + conv.bias
+        return out + conv.bias + skip
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         if self.last:
@@ -279,7 +283,10 @@ class Block(nn.Module):
         """(rows, out) outputs from aggregated inputs: dropout on the aggregates, then the dense part."""
         neigh = _drop(agg.neigh, self.p, gen, self.training)
         if self.model == "gcn":
-            return self.finish(matmul(neigh, self.conv.lin.weight.t()) + self.conv.bias)
+            out = matmul(neigh, self.conv.lin.weight.t()) + self.conv.bias
+            if self.skip is not None:
+                out = out + matmul(_drop(agg.own, self.p, gen, self.training), self.skip.weight.t())  # type: ignore[arg-type]
+            return self.finish(out)
         own = _drop(agg.own, self.p, gen, self.training)  # type: ignore[arg-type]
         lin_l, lin_r = self.conv.lin_l, self.conv.lin_r
         return self.finish(matmul(neigh, lin_l.weight.t()) + lin_l.bias + matmul(own, lin_r.weight.t()))
@@ -305,10 +312,11 @@ def layer_dims(in_dim: int, hidden: int, num_classes: int, layers: int) -> list[
 
 
 def build_blocks(model: ModelName, in_dim: int, hidden: int, num_classes: int, layers: int, heads: int,
-                 dropout: float, seed: int = 0, norm: bool = False) -> nn.ModuleList:
+                 dropout: float, seed: int = 0, norm: bool = False, skip: bool = False) -> nn.ModuleList:
     """The full model as a list of blocks (standard / centralized / varco / tma / grappa)."""
     dims = layer_dims(in_dim, hidden, num_classes, layers)
     with seeded(seed):
         return nn.ModuleList(
-            Block(model, i, o, heads, dropout, last=(k == layers - 1), norm=norm) for k, (i, o) in enumerate(dims)
+            Block(model, i, o, heads, dropout, last=(k == layers - 1), norm=norm, skip=skip)
+            for k, (i, o) in enumerate(dims)
         )

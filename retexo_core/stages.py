@@ -26,7 +26,8 @@ from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
 from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
 from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
-from retexo_core.strategies.retexo import Views, layer_candidates, train_layer
+from retexo_core.recipe import GreedySearch, apply_knobs, knobs_of, searched_knobs
+from retexo_core.strategies.retexo import Views, features_transform, train_layer
 
 log = logging.getLogger("retexo.worker")
 HISTORY_SCHEMA = pa.schema([
@@ -58,7 +59,7 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
 def prepare_features(data: PartData, config: TrainConfig) -> PartData:
     """The partition with its features row-normalised when ``config.normalize_features`` is rows
     (each rank its own rows; halo rows arrive preprocessed by their owner). ``auto`` keeps them raw:
-    the choice is made on validation (``strategies.retexo.layer_candidates``)."""
+    the choice is made on validation (``retexo_core.recipe``)."""
     return dataclasses.replace(data, x=normalize_rows(data.x)) if config.normalize_features == "rows" else data
 
 
@@ -137,29 +138,49 @@ def train_whole_model(ctx: WorkerContext, sink: ResultSink,
     return eval_ctx, result
 
 
+def end_to_end_search(ctx: WorkerContext) -> GreedySearch:
+    """The whole-model candidates: every knob for ``centralized`` under ``--recipe auto`` (no
+    traffic: the search costs time only), the feature normalisation alone for the distributed
+    end-to-end strategies (each candidate is a whole training: its traffic would multiply) and
+    under ``default``; a recipe file's layer-1 entry is one fixed candidate."""
+    cfg = ctx.config
+    start = knobs_of(cfg, 1, end_to_end=True)
+    if cfg.fixed_recipe is not None:
+        return GreedySearch({**start, **cfg.fixed_recipe.get(1, {})}, [], layer=1, end_to_end=True)
+    names = searched_knobs(cfg, 1, last=cfg.layers == 1, nonnegative=ctx.data.features_nonnegative,
+                           full=cfg.recipe == "auto" and cfg.strategy == "centralized")
+    return GreedySearch(start, names, layer=1, end_to_end=True)
+
+
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
-    """An end-to-end strategy's whole training once per candidate recipe (``layer_candidates``: raw
-    and row-normalised features under ``--normalize-features auto``, else one), keeping the one with
-    the best validation score (the first on ties); every candidate's traffic is in the log.
-    Returns the evaluation context, the kept result and the choice (empty without a search)."""
-    tried = []
-    candidates = layer_candidates(ctx, 1)
-    for which, recipe in enumerate(candidates):
-        def refresh(period: int, transform: Callable[[Features], Features] = recipe.transform) -> PartData:
+    """An end-to-end strategy's whole training once per candidate recipe (``end_to_end_search``),
+    keeping the one with the best validation score (the earlier on ties); every candidate's
+    traffic is in the log. Returns the evaluation context, the kept result and the choice (empty
+    without a search)."""
+    search = end_to_end_search(ctx)
+    total = search.size * ctx.config.epochs
+    kept: tuple[WorkerContext, EndToEndResult] | None = None
+    which = 0
+    while (candidate := search.next()) is not None:
+        transform = features_transform(ctx.config, candidate.knobs)
+
+        def refresh(period: int, transform: Callable[[Features], Features] = transform) -> PartData:
             data = load_refresh(period)
             return dataclasses.replace(data, x=transform(data.x))
 
-        mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=recipe.transform(ctx.data.x)), history=[],
-                                   candidate=(which, len(candidates)))
+        mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=transform(ctx.data.x)), history=[],
+                                   config=apply_knobs(ctx.config, 1, candidate.knobs, end_to_end=True),
+                                   progress=(which * ctx.config.epochs, total))
         eval_ctx, result = train_whole_model(mine, sink, refresh)
-        tried.append((recipe, eval_ctx, result))
-    recipe, eval_ctx, result = max(tried, key=lambda t: t[2].best_val)
-    chosen: dict[str, object] = {}
-    if len(tried) > 1:
-        chosen = {**recipe.describe(), "val_scores": [{**r.describe(), "val": res.best_val} for r, _, res in tried]}
-        log.info("features chosen on validation: %s", chosen)
-    return eval_ctx, result, chosen
+        if search.report(result.best_val):
+            kept = (eval_ctx, result)
+        which += 1
+    assert kept is not None
+    chosen = search.choice()
+    if chosen:
+        log.info("recipe chosen on validation: %s", chosen)
+    return kept[0], kept[1], chosen
 
 
 def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,

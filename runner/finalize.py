@@ -21,8 +21,11 @@ from graphstore.manifests import LayerManifest, LayerRef, RunManifest, manifest_
 from graphstore.integrity import folder_digests
 from graphstore.parquet_io import COMPRESSION, read_table
 from retexo_core.comm.network import bytes_by_kind, simulated_seconds, total_bytes
+from retexo_core.recipe import run_recipe
 from runner.plan import CODE_VERSION, RunPlan, run_label
 from runner.results import TRAFFIC
+
+RECIPE = "recipe.json"  # the knobs each layer trained with, in the format --recipe FILE reads
 
 
 def read_concat(paths: list[Path]) -> pa.Table:
@@ -37,7 +40,7 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 
 def finalize_run(plan: RunPlan) -> RunManifest:
-    """Write ``comm``, ``metrics`` and ``evaluation`` of the whole run, then its manifest."""
+    """Write ``comm``, ``metrics``, ``evaluation`` and ``recipe.json`` of the whole run, then its manifest."""
     store, run_dir, cfg = plan.store, plan.store.run_dir(plan.run_fp), plan.config
     layer_dirs = [plan.layer_dir(l) for l in plan.layers]
     missing = [d.name for d in layer_dirs if not is_complete(d)]
@@ -65,11 +68,14 @@ def finalize_run(plan: RunPlan) -> RunManifest:
         sim_comm_s=round(simulated, 6), wall_s=round(sum(m.seconds for m in layers), 3),
         layers=[LayerRef(layer=m.layer, fp=m.fp, reused_from=m.reused_from) for m in layers],
         code_version=CODE_VERSION, site=plan.site, bytes_by_site=by_site,
+        recipe=run_recipe({m.layer: m.recipe for m in layers}),
     )
     with writer_lock(store, run_dir):
         for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):
             if table.num_columns:  # a site other than the coordinator has no curves and no evaluation
                 atomic_write_file(store, run_dir / name, parquet_bytes(table))
+        if manifest.recipe["layers"]:  # the recipe each layer trained with: --recipe FILE reuses it
+            atomic_write_file(store, run_dir / RECIPE, (json.dumps(manifest.recipe, indent=1) + "\n").encode())
         manifest = manifest.model_copy(update={"files": folder_digests(run_dir, "run")})  # sha256 of the files above
         atomic_write_file(store, run_dir / MANIFEST, manifest_json(manifest).encode())
     return manifest

@@ -45,12 +45,12 @@ def searched(cora):
 def test_layer_1_keeps_the_candidate_with_the_better_validation_score(searched) -> None:
     runs, _ = searched
     recipe = layer_manifest(runs["auto"], 1)["recipe"]
-    scores = {c["normalize_features"]: c["val"] for c in recipe["val_scores"]}
+    scores = {c["features"]: c["val"] for c in recipe["val_scores"]}
     fixed = {mode: layer_manifest(runs[mode], 1)["best_val"] for mode in ("none", "rows")}
     assert scores == fixed
     best = "rows" if scores["rows"] > scores["none"] else "none"  # the default (none) wins ties
-    assert recipe["normalize_features"] == best
-    assert layer_manifest(runs["auto"], 2)["recipe"] == {}  # later layers have one candidate
+    assert recipe["features"] == best
+    assert "val_scores" not in layer_manifest(runs["auto"], 2)["recipe"]  # later layers have one candidate
     chosen = runs[best].store.run_dir(runs[best].run_fp)
     searched_dir = runs["auto"].store.run_dir(runs["auto"].run_fp)
     for layer in (1, 2):
@@ -76,9 +76,9 @@ def test_an_end_to_end_strategy_keeps_the_whole_model_trained_with_the_better_no
                         small_config(strategy="centralized", hidden=HIDDEN, epochs=5, normalize_features=mode))
             for mode in ("auto", "rows", "none")}
     recipe = layer_manifest(runs["auto"], 1)["recipe"]
-    scores = {c["normalize_features"]: c["val"] for c in recipe["val_scores"]}
+    scores = {c["features"]: c["val"] for c in recipe["val_scores"]}
     assert scores == {mode: layer_manifest(runs[mode], 1)["best_val"] for mode in ("none", "rows")}
-    chosen = recipe["normalize_features"]
+    chosen = recipe["features"]
     assert chosen == ("rows" if scores["rows"] > scores["none"] else "none")
     for layer in (1, 2):
         assert layer_manifest(runs["auto"], layer)["recipe"] == recipe
@@ -87,3 +87,113 @@ def test_an_end_to_end_strategy_keeps_the_whole_model_trained_with_the_better_no
                   for m in ("auto", chosen)]
         assert models[0].keys() == models[1].keys()
         assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+# --recipe auto: the greedy knob-by-knob search ------------------------------------------------
+
+SCREEN = 2
+
+
+def candidate_module(knobs: dict, in_dim: int, out_dim: int, last: bool) -> LayerWithHead:
+    return LayerWithHead(Block("gcn", in_dim, out_dim, 4, 0.0, last=last, norm=knobs["norm"] == "layer",
+                               skip=knobs["skip"]), CLASSES)
+
+
+@pytest.fixture(scope="module")
+def auto_runs(cora, tmp_path_factory):
+    """Retexo on Cora with the whole search, twice in two stores (the same seed), and once with the
+    searched run's recipe.json as a recipe file."""
+    from graphstore.layout import Store
+    from graphstore.ingest.api import ingest_planetoid
+    from graphstore.partition.build import build_partition
+    from graphstore.partition.methods import PartitionOptions
+    from conftest import CORA_DIR
+
+    config = small_config(hidden=HIDDEN, rounds=[5, 4], recipe="auto", recipe_screen=SCREEN)
+    first = train(cora.store, cora.dataset, cora.partitions["random"], config)
+    other = Store.open(tmp_path_factory.mktemp("again") / "store")
+    dataset = ingest_planetoid(other, CORA_DIR, "cora")
+    again = train(other, dataset, build_partition(other, dataset, PartitionOptions(method="random", parts=4, seed=0)),
+                  config)
+    recipe_file = first.store.run_dir(first.run_fp) / "recipe.json"
+    fixed = train(cora.store, cora.dataset, cora.partitions["random"],
+                  small_config(hidden=HIDDEN, rounds=[5, 4], recipe=str(recipe_file)))
+    return first, again, fixed, [5, 4]
+
+
+def test_the_search_is_deterministic_for_a_seed(auto_runs) -> None:
+    first, again, _, _ = auto_runs
+    for layer in (1, 2):
+        assert layer_manifest(first, layer)["recipe"] == layer_manifest(again, layer)["recipe"]
+        for part in range(PARTS):
+            tables = [pq.read_table(p.store.run_dir(p.run_fp) / f"layer={layer}" / f"part={part}" / "embeddings.parquet")
+                      for p in (first, again)]
+            assert tables[0].equals(tables[1])
+    assert comm_log(first) == comm_log(again)
+
+
+def test_the_search_tries_every_knob_in_turn_and_keeps_a_strictly_better_one(auto_runs) -> None:
+    first, _, _, _ = auto_runs
+    recipe = layer_manifest(first, 1)["recipe"]
+    tried = recipe["val_scores"]
+    # start (small_config: dropout 0, lr 0.05), then features, skip, norm, dropout x2, lr x2 (layer 1 keeps its decay)
+    assert [sorted(k for k in t if k != "val" and t[k] != tried[0][k]) for t in tried][:2] == [[], ["features"]]
+    assert len(tried) == 8
+    best, best_val = tried[0], tried[0]["val"]
+    for t in tried[1:]:
+        if t["val"] > best_val:
+            best, best_val = t, t["val"]
+    assert {k: recipe[k] for k in best if k != "val"} == {k: v for k, v in best.items() if k != "val"}
+    assert len(layer_manifest(first, 2)["recipe"]["val_scores"]) == 1 + 1 + 1 + 2 + 2  # skip, decay, dropout, lr
+
+
+def test_the_search_bytes_are_the_analytic_count(auto_runs) -> None:
+    """Halo traffic of one exchange per layer; gradients and validation of every round every
+    candidate trained: ``recipe_screen`` rounds each, and the kept one the layer's full rounds."""
+    first, _, fixed, rounds = auto_runs
+    searched = comm_log(first)
+    split_stats = ring(8 * 9)  # every round validates (eval_every 1)
+    grad = control = 0
+    for layer, (in_dim, out_dim) in ((1, (1433, HIDDEN)), (2, (HIDDEN, CLASSES))):
+        recipe = layer_manifest(first, layer)["recipe"]
+        kept = {k: v for k, v in recipe.items() if k != "val_scores"}
+        kept_index = next(i for i, t in enumerate(recipe["val_scores"]) if {k: t[k] for k in kept} == kept)
+        for i, tried in enumerate(recipe["val_scores"]):
+            trained = rounds[layer - 1] if i == kept_index else SCREEN
+            grad += trained * ring(4 * params(candidate_module(tried, in_dim, out_dim, layer == 2)))
+            control += trained * split_stats
+    setup = comm_log(fixed)["control"] - sum(r * split_stats for r in rounds)
+    assert searched["grad_sync"] == grad
+    assert searched["control"] == control + setup
+    assert searched["halo_features"] == comm_log(fixed)["halo_features"]
+    assert searched["halo_embeddings"] == comm_log(fixed)["halo_embeddings"]
+
+
+def test_a_recipe_file_trains_exactly_the_kept_models(auto_runs) -> None:
+    """The searched run's recipe.json as --recipe FILE: the same layers bit for bit, with the
+    kept candidates' traffic only."""
+    first, _, fixed, rounds = auto_runs
+    for layer in (1, 2):
+        kept = {k: v for k, v in layer_manifest(first, layer)["recipe"].items() if k != "val_scores"}
+        assert layer_manifest(fixed, layer)["recipe"] == kept
+        for part in range(PARTS):
+            tables = [pq.read_table(p.store.run_dir(p.run_fp) / f"layer={layer}" / f"part={part}" / "embeddings.parquet")
+                      for p in (first, fixed)]
+            assert tables[0].equals(tables[1])
+    p = [params(candidate_module(layer_manifest(fixed, l)["recipe"], i, o, l == 2))
+         for l, (i, o) in ((1, (1433, HIDDEN)), (2, (HIDDEN, CLASSES)))]
+    assert comm_log(fixed)["grad_sync"] == sum(r * ring(4 * q) for r, q in zip(rounds, p))
+
+
+def test_a_bad_recipe_file_is_one_line_naming_the_file_and_the_field(tmp_path) -> None:
+    from retexo_core.config import TrainConfig
+
+    bad = tmp_path / "recipe.json"
+    bad.write_text(json.dumps({"layers": {"1": {"dropout": 2}}}))
+    with pytest.raises(ValueError, match=r"recipe.json: layers.1.dropout: 2 is not a valid value"):
+        TrainConfig(recipe=str(bad))
+    bad.write_text(json.dumps({"layers": {"1": {"depth": 3}}}))
+    with pytest.raises(ValueError, match=r"layers.1.depth: unknown knob"):
+        TrainConfig(recipe=str(bad))
+    with pytest.raises(ValueError, match=r"missing.json: recipe file not found"):
+        TrainConfig(recipe=str(tmp_path / "missing.json"))

@@ -41,7 +41,9 @@ class WorkerContext:
     plans: dict[str, ExchangePlan]
     history: list[dict[str, object]] = field(default_factory=list)
     on_progress: Callable[[int, int, int, float | None], None] | None = None  # (layer, done, total, val score)
-    candidate: tuple[int, int] = (0, 1)  # (which, how many) recipes this layer or run trains: progress spans all
+    # (rounds trained before this training's first, rounds of all the layer's or run's recipe candidates;
+    # 0: this training's own): the progress spans every candidate
+    progress: tuple[int, int] = (0, 0)
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """This rank's own random stream (dropout masks, batches), never the global RNG."""
@@ -223,8 +225,8 @@ def record(ctx: WorkerContext, layer: int, round_: int, stats: dict[str, SplitSt
     for split, s in stats.items():
         ctx.history.append({"layer": layer, "round": round_, "split": split, "loss": s.loss, "acc": s.acc})
     if ctx.on_progress is not None:
-        which, count = ctx.candidate
-        ctx.on_progress(layer, which * total + round_ + 1, count * total, stats["val"].score if "val" in stats else None)
+        before, planned = ctx.progress
+        ctx.on_progress(layer, before + round_ + 1, planned or total, stats["val"].score if "val" in stats else None)
     if round_ % max(1, total // 10) == 0 or round_ == total - 1:
         log.info("layer %d round %d/%d: %s", layer, round_ + 1, total, ", ".join(
             f"{name} loss {s.loss:.4f} acc {s.acc:.4f}" + ("" if np.isnan(s.roc_auc) else f" roc_auc {s.roc_auc:.4f}")

@@ -15,6 +15,8 @@ loop except GAT's attention.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from retexo_core.config import TrainConfig
 from retexo_core.data import normalize_rows
 from retexo_core.exchange import exchange_rows, stack_rows, stream_rows
 from retexo_core.models import (
@@ -34,6 +37,7 @@ from retexo_core.models import (
     partial_aggregate,
     seeded,
 )
+from retexo_core.recipe import GreedySearch, apply_knobs, knobs_of, searched_knobs
 from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
@@ -101,8 +105,8 @@ def stored_aggregate(neigh: Features) -> Features:
 Transform = Callable[[Features], Features]  # a row-wise preprocessing of a layer's inputs
 
 
-def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views,
-                        transforms: Sequence[Transform] = (lambda x: x,)) -> list[dict[str, Aggregated]]:
+def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views, transforms: Sequence[Transform] = (lambda x: x,),
+                        keep_own: bool = False) -> list[dict[str, Aggregated]]:
     """GCN / SAGE: the layer's single halo exchange and its aggregation A·t(X) per view and per
     row-wise transform t (one list entry each), peer by peer.
 
@@ -111,6 +115,8 @@ def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views,
     (the full plan) and every view aggregates them with its own graph; later layers exchange each
     view's rows of the nodes visible in it. A row-wise transform (row normalisation) of the rows a
     peer sends equals the peer's transform of its own rows, so every transform shares the exchange.
+    The owned rows themselves are kept next to the aggregate for SAGE and with ``keep_own`` (a
+    GCN block with a skip connection).
     """
     comm, n = ctx.comm, ctx.data.num_owned
     comm.layer, comm.epoch = layer, -1
@@ -132,10 +138,10 @@ def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views,
                 for v in views:
                     part = partial_aggregate(adj[v].columns(n + block.start, n + block.stop), placed)
                     neigh[t][v] = add_aggregates(neigh[t][v], part)
-    sage = ctx.config.model == "sage"
+    keep_own = keep_own or ctx.config.model == "sage"
     result = []
     for t, transform in enumerate(transforms):
-        distinct = {v: Aggregated(stored_aggregate(neigh[t][v]), transform(own[v]) if sage else None)
+        distinct = {v: Aggregated(stored_aggregate(neigh[t][v]), transform(own[v]) if keep_own else None)
                     for v in ctx.views}
         result.append({v: distinct[v if v in distinct else "full"] for v in own})
     return result
@@ -146,7 +152,8 @@ def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
     cfg = ctx.config
     _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.data.num_classes, cfg.layers)[layer - 1]
     with seeded(cfg.seed * 1000 + layer):
-        block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm)
+        block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm,
+                      skip=cfg.skip)
         return LayerWithHead(block, ctx.data.num_classes)
 
 
@@ -182,7 +189,7 @@ class LayerInputs:
 
     @classmethod
     def exchanged(cls, ctx: WorkerContext, layer: int, model: str, own: Views,
-                  transforms: Sequence[Transform]) -> list["LayerInputs"]:
+                  transforms: Sequence[Transform], keep_own: bool = False) -> list["LayerInputs"]:
         """The layer's single halo exchange and its preparation for each row-wise input transform:
         streamed aggregates (GCN / SAGE) or the local inputs with their halo rows (GAT). Each
         result's ``block`` is set by the candidate that trains on it."""
@@ -190,7 +197,8 @@ class LayerInputs:
         if model == "gat":
             local = gather_inputs(ctx, layer, own)
             return [cls(ctx, None, inputs={v: t(x) for v, x in local.items()}, chunk=chunk) for t in transforms]
-        return [cls(ctx, None, aggregated=a, chunk=chunk) for a in streamed_aggregates(ctx, layer, own, transforms)]
+        return [cls(ctx, None, aggregated=a, chunk=chunk)
+                for a in streamed_aggregates(ctx, layer, own, transforms, keep_own)]
 
     def train_outputs(self, gen: torch.Generator, batch: torch.Tensor | None = None) -> torch.Tensor:
         """(b, d_out) block outputs of the train rows ``batch`` (positions among the train rows;
@@ -264,97 +272,133 @@ class BatchPlan:
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
 
 
-@dataclass(frozen=True)
-class LayerRecipe:
-    """What a layer's candidates differ in (``--normalize-features auto`` searches layer 1's)."""
-
-    normalize_rows: bool = False  # inputs row-normalised (each row divided by its sum)
-
-    def transform(self, x: Features) -> Features:
-        return normalize_rows(x) if self.normalize_rows else x
-
-    def describe(self) -> dict[str, object]:
-        return {"normalize_features": "rows" if self.normalize_rows else "none"}
+def features_transform(config: TrainConfig, knobs: dict[str, object]) -> Transform:
+    """The row-wise input transform of a recipe's ``features`` knob (none when ``config`` has
+    normalised the features already: ``--normalize-features rows``)."""
+    if knobs.get("features") == "rows" and config.normalize_features != "rows":
+        return normalize_rows
+    return lambda x: x
 
 
-def layer_candidates(ctx: WorkerContext, layer: int) -> list[LayerRecipe]:
-    """The recipes layer ``layer`` trains and chooses from on validation, the default first (it
-    wins ties). Only layer 1 of ``--normalize-features auto`` on non-negative features has two:
-    raw and row-normalised inputs (``rows`` / ``none`` are applied to the features beforehand).
-    End-to-end strategies train the whole model once per layer-1 candidate (``stages``)."""
-    if layer == 1 and ctx.config.normalize_features == "auto" and ctx.data.features_nonnegative:
-        return [LayerRecipe(False), LayerRecipe(True)]
-    return [LayerRecipe()]
+class LayerFit:
+    """The training of one layer module on its prepared inputs, resumable: ``advance(r)`` trains
+    up to round r (fewer with patience), validating every ``eval_every`` rounds, at the layer's
+    last round and at r; ``best`` keeps the parameters with the best validation score."""
+
+    def __init__(self, ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: LayerInputs):
+        cfg = ctx.config
+        self.ctx, self.layer, self.module, self.prepared = ctx, layer, module, prepared
+        self.gen = ctx.generator(layer)  # per-rank dropout masks (the same stream for every candidate)
+        self.optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
+        self.rounds = cfg.layer_rounds(layer)
+        self.best = BestState()
+        self.share = ctx.local_train / max(ctx.train_count, 1)
+        self.steps = BatchPlan(ctx, cfg.batch_size)
+        self.trained = 0
+        self.stopped = False  # early stopping ended it
+        self.history: list[dict[str, object]] = []  # its validation rows (ctx.history while it trains)
+
+    def advance(self, until: int) -> None:
+        ctx, cfg, module, prepared = self.ctx, self.ctx.config, self.module, self.prepared
+        comm, train_rows = ctx.comm, ctx.train_rows
+        until = min(until, self.rounds)
+        outer, ctx.history = ctx.history, self.history
+        try:
+            for round_ in range(self.trained, until):
+                if self.stopped:
+                    break
+                self.trained = round_ + 1
+                comm.epoch = round_
+                module.train()
+                for batch, divisor in self.steps.round(self.gen):
+                    self.optimizer.zero_grad()
+                    logits = module.logits(prepared.train_outputs(self.gen, batch), self.gen)
+                    labels = ctx.data.y[train_rows if batch is None else train_rows[batch]]
+                    (F.cross_entropy(logits, labels, reduction="sum") / divisor).backward()
+                    if cfg.sync == "grad":
+                        sync_gradients(comm, module)
+                    self.optimizer.step()
+                last = round_ == self.rounds - 1
+                pause = round_ == until - 1
+                synced = cfg.sync == "grad" or (round_ + 1) % cfg.sync_every == 0 or last or pause
+                if not synced:
+                    continue
+                if cfg.sync == "avg":
+                    average_parameters(comm, module, self.share)
+                if (round_ + 1) % cfg.eval_every and not last and not pause:
+                    continue
+                validate(ctx, module, self.layer, round_, self.rounds, lambda: module.logits(prepared.val_outputs()),
+                         self.best, rows=prepared.eval_rows)
+                self.stopped = self.best.stale(round_, cfg.patience)
+        finally:
+            ctx.history = outer
+
+    def finish(self) -> BestState:
+        self.advance(self.rounds)
+        self.best.restore(self.module)
+        return self.best
 
 
-def fit_layer(ctx: WorkerContext, layer: int, module: LayerWithHead, prepared: LayerInputs) -> tuple[BestState, int]:
-    """Train ``module`` on its prepared inputs for the layer's rounds (fewer with patience), keeping
-    the parameters with the best validation score; returns them (restored) and the rounds trained."""
-    cfg, comm = ctx.config, ctx.comm
-    gen = ctx.generator(layer)  # per-rank dropout masks (the same stream for every candidate)
-    optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
-    rounds = cfg.layer_rounds(layer)
-    best = BestState()
-    share = ctx.local_train / max(ctx.train_count, 1)
-    train_rows = ctx.train_rows
-    steps = BatchPlan(ctx, cfg.batch_size)
-    trained = 0
-    for round_ in range(rounds):
-        trained = round_ + 1
-        comm.epoch = round_
-        module.train()
-        for batch, divisor in steps.round(gen):
-            optimizer.zero_grad()
-            logits = module.logits(prepared.train_outputs(gen, batch), gen)
-            labels = ctx.data.y[train_rows if batch is None else train_rows[batch]]
-            (F.cross_entropy(logits, labels, reduction="sum") / divisor).backward()
-            if cfg.sync == "grad":
-                sync_gradients(comm, module)
-            optimizer.step()
-        last = round_ == rounds - 1
-        synced = cfg.sync == "grad" or (round_ + 1) % cfg.sync_every == 0 or last
-        if not synced:
-            continue
-        if cfg.sync == "avg":
-            average_parameters(comm, module, share)
-        if (round_ + 1) % cfg.eval_every and not last:
-            continue
-        validate(ctx, module, layer, round_, rounds, lambda: module.logits(prepared.val_outputs()), best,
-                 rows=prepared.eval_rows)
-        if best.stale(round_, cfg.patience):
-            break
-    best.restore(module)
-    return best, trained
+def layer_search(ctx: WorkerContext, layer: int) -> GreedySearch:
+    """The candidates of layer ``layer``: a greedy search under ``--recipe auto`` (the features
+    alone under ``default`` with ``--normalize-features auto``), one fixed candidate otherwise."""
+    cfg = ctx.config
+    fixed = cfg.fixed_recipe
+    if fixed is not None:
+        start = {**knobs_of(cfg, layer, end_to_end=False), **fixed.get(layer, {})}
+        return GreedySearch(start, [], layer=layer, end_to_end=False)
+    names = searched_knobs(cfg, layer, last=layer == cfg.layers, nonnegative=ctx.data.features_nonnegative,
+                           full=cfg.recipe == "auto")
+    return GreedySearch(knobs_of(cfg, layer, end_to_end=False), names, layer=layer, end_to_end=False)
 
 
 def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
     from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are).
 
-    With several candidate recipes (``layer_candidates``) every candidate trains from the same
-    initial parameters on inputs prepared from the same single halo exchange, and the one with the
-    best validation score is kept (its history only; every candidate's traffic is logged)."""
-    candidates = layer_candidates(ctx, layer)
-    prepared = LayerInputs.exchanged(ctx, layer, ctx.config.model, own, [c.transform for c in candidates])
-    history_start = len(ctx.history)
-    tried = []  # (recipe, module, inputs, best, rounds trained, history)
-    for which, (recipe, inputs) in enumerate(zip(candidates, prepared)):
-        ctx.candidate = (which, len(candidates))
-        module = new_layer(ctx, layer, own["full"].shape[1])
-        if initial is not None:
-            module.load_state_dict(initial)
-        inputs.block = module.block
-        best, trained = fit_layer(ctx, layer, module, inputs)
-        tried.append((recipe, module, inputs, best, trained, ctx.history[history_start:]))
-        del ctx.history[history_start:]
-    ctx.candidate = (0, 1)
-    recipe, module, inputs, best, trained, history = max(tried, key=lambda t: t[3].accuracy)  # first best wins
-    ctx.history += history
-    chosen: dict[str, object] = {}
-    if len(tried) > 1:
-        chosen = {**recipe.describe(), "val_scores": [{**t[0].describe(), "val": t[3].accuracy} for t in tried]}
+    The layer's recipe candidates (``layer_search``) all train from the same initial parameters
+    on inputs prepared from the same single halo exchange (one preparation per ``features``
+    value). The start recipe trains ``recipe_screen`` rounds, then each alternative as many; a
+    strictly better best validation score replaces the kept one, which finally goes on to the
+    layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored."""
+    base = ctx.config
+    search = layer_search(ctx, layer)
+    features = list(dict.fromkeys([search.best.knobs["features"]]
+                                  + [v for n, v in search.plan if n == "features"]))
+    skips = bool(search.best.knobs["skip"]) or any(n == "skip" for n, _ in search.plan)
+    prepared = dict(zip(features, LayerInputs.exchanged(ctx, layer, base.model, own,
+                                                          [features_transform(base, {"features": f}) for f in features],
+                                                          keep_own=skips)))
+    screen = base.recipe_screen if search.size > 1 else base.layer_rounds(layer)
+    total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
+    spent = 0
+    kept: LayerFit | None = None
+    while (candidate := search.next()) is not None:
+        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]])
+        fit.ctx.progress = (spent, total)
+        fit.advance(screen)
+        spent += fit.trained
+        if search.report(fit.best.accuracy):
+            kept = fit
+    assert kept is not None
+    kept.ctx.progress = (spent - kept.trained, total)
+    best = kept.finish()
+    ctx.history += kept.history
+    module, inputs = kept.module, kept.prepared
     module.eval()
     with torch.no_grad():
         computed = {v: inputs.outputs(v) for v in ctx.views}
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       trained, chosen)
+                       kept.trained, search.choice())
+
+
+def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
+              knobs: dict[str, object], inputs: LayerInputs) -> LayerFit:
+    """A candidate's module (the layer's initial parameters) on its own copy of the prepared inputs."""
+    mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
+    module = new_layer(mine, layer, own["full"].shape[1])
+    if initial is not None:
+        module.load_state_dict(initial)
+    prepared = copy.copy(inputs)
+    prepared.block = module.block
+    return LayerFit(mine, layer, module, prepared)
