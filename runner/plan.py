@@ -56,7 +56,9 @@ class RunPlan:
 def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -> TrainConfig:
     """``config`` with ``warm_start`` as the full fingerprint of a completed run whose parameters
     fit this run (same model, layers, hidden size and heads, same kind of training, and a dataset
-    with as many features and classes); ``StoreError`` naming the mismatch otherwise."""
+    with as many features and classes); ``StoreError`` naming the mismatch otherwise. The run
+    trains with the recipe the warm-start run kept (its blocks have that recipe's shape: a skip
+    connection, a LayerNorm), as a recipe file would give it."""
     if config.warm_start is None:
         return config
     warm = completed_run(store, config.warm_start)
@@ -72,7 +74,10 @@ def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -
     for name, (theirs, ours) in checks.items():
         if theirs != ours:
             raise StoreError(f"--warm-start {config.warm_start}: run {warm.fp} has {name} {theirs}, this run {ours}")
-    return config.model_copy(update={"warm_start": warm.fp})
+    update: dict[str, object] = {"warm_start": warm.fp}
+    if warm.recipe.get("layers"):
+        update["recipe"] = TrainConfig(recipe=warm.recipe).recipe  # its canonical form
+    return config.model_copy(update=update)
 
 
 def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig,

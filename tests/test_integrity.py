@@ -170,7 +170,7 @@ def test_every_manifest_lists_the_sha256_of_its_files(template: Template) -> Non
         f"part={i}/{name}.parquet" for i in range(3) for name in ("edges", "halo", "nodes")])
     run = root / "runs" / f"run={template.run_fp}"
     # a run covers its own files only: layers have their own manifests, events/ and logs/ grow later
-    assert sorted(manifest_of(run)["files"]) == ["comm.parquet", "evaluation.parquet", "metrics.parquet"]
+    assert sorted(manifest_of(run)["files"]) == ["comm.parquet", "evaluation.parquet", "metrics.parquet", "recipe.json"]
     assert (run / "events").is_dir() and (run / "logs").is_dir()
     layer_files = set(manifest_of(run / "layer=1")["files"])
     assert {"model.pt", "part=0/embeddings.parquet", "part=2/comm.parquet"} <= layer_files

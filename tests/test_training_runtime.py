@@ -74,7 +74,7 @@ def test_inductive_training_never_sees_test_nodes_or_their_edges(tmp_path: Path,
     them in the transductive one."""
     store = Store.open(tmp_path / "store")
     clean, noisy = write_graph(tmp_path / "a", 1, False), write_graph(tmp_path / "b", 1, True)
-    config = TrainConfig(strategy=strategy, setting="inductive", hidden=8, rounds=4, epochs=4, lr=0.05,
+    config = TrainConfig(strategy=strategy, setting="inductive", recipe="default", hidden=8, rounds=4, epochs=4, lr=0.05,
                          dropout=0.0, timeout_s=60)  # dropout masks depend on the halo size
     plan_a, plan_b = train_on(store, "clean", clean, config), train_on(store, "noisy", noisy, config)
     for layer in (1, 2):
@@ -96,7 +96,7 @@ def test_inductive_training_never_sees_test_nodes_or_their_edges(tmp_path: Path,
 
 @pytest.mark.slow
 def test_workers_open_only_their_own_partition_and_embedding_rows(tmp_path: Path, tiny_plan_factory) -> None:
-    plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=2, timeout_s=60))
+    plan = tiny_plan_factory(tmp_path, TrainConfig(recipe="default", hidden=8, rounds=2, timeout_s=60))
     audit = tmp_path / "audit"
     audit.mkdir()
     for layer in (1, 2):
@@ -169,7 +169,7 @@ def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path
 
 
 def test_finished_layers_are_reused_and_only_changed_layers_retrain(tmp_path: Path, tiny_plan_factory) -> None:
-    config = TrainConfig(hidden=8, rounds=[3, 2], timeout_s=60)
+    config = TrainConfig(recipe="default", hidden=8, rounds=[3, 2], timeout_s=60)
     plan = tiny_plan_factory(tmp_path, config)
     _, first = run_training(plan, IN_PROCESS)
     assert [p.state for p in first] == ["trained", "trained"]
@@ -184,7 +184,7 @@ def test_finished_layers_are_reused_and_only_changed_layers_retrain(tmp_path: Pa
 
 
 def test_a_run_killed_after_its_first_layer_resumes_at_the_second(tmp_path: Path, tiny_plan_factory) -> None:
-    plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=2, timeout_s=60))
+    plan = tiny_plan_factory(tmp_path, TrainConfig(recipe="default", hidden=8, rounds=2, timeout_s=60))
     launch_layers(plan, [1], IN_PROCESS)  # as if the process died while layer 2 was training
     assert [layer_state(plan, l) for l in (1, 2)] == ["done", "pending"]
     _, progress = run_training(plan, IN_PROCESS)
@@ -203,7 +203,7 @@ def test_rank_0_reports_its_rounds_with_val_accuracy_and_the_bytes_of_all_ranks(
     val accuracy, bytes summed over ranks, the last round of every layer included."""
     from runner.results import progress_path
 
-    plan = tiny_plan_factory(tmp_path, TrainConfig(hidden=8, rounds=[3, 2], timeout_s=60))
+    plan = tiny_plan_factory(tmp_path, TrainConfig(recipe="default", hidden=8, rounds=[3, 2], timeout_s=60))
     seen = []
     run_training(plan, IN_PROCESS, on_round=seen.append)
     assert {(p.layer, p.total) for p in seen} == {(1, 3), (2, 2)}
