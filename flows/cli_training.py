@@ -27,6 +27,7 @@ from flows.options import OptionGroup, collect, with_options
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
+from retexo_core.recipe import KNOB_NAMES
 
 if TYPE_CHECKING:
     from graphstore.manifests import RunManifest
@@ -76,10 +77,8 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
                 [[r["split"], r["accuracy"], r["macro_f1"], r["roc_auc"], r["nodes"]] for r in m.evaluation])
     recipe = m.recipe.get("layers", {})
     if recipe:
-        print_table("recipe (reuse it: --recipe <run folder>/recipe.json)", ["layer", "features", "norm", "decay",
-                    "dropout", "lr"], [[layer, *(knobs.get(k, "") for k in ("features", "norm", "decay", "dropout",
-                                                                               "lr"))]
-                                      for layer, knobs in recipe.items()])
+        print_table(f"recipe (reuse it: --recipe <store>/runs/run={m.fp}/recipe.json)", ["layer", *KNOB_NAMES],
+                    [[layer, *(str(knobs.get(k, "")) for k in KNOB_NAMES)] for layer, knobs in recipe.items()])
     rows = [[kind, human_bytes(b), b] for kind, b in sorted(m.bytes_by_kind.items())]
     rows.append(["total", human_bytes(m.total_bytes), m.total_bytes])
     print_table("bytes on the wire", ["kind", "size", "bytes"], rows)
