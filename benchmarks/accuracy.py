@@ -10,8 +10,8 @@ split 0; ``.npz`` without splits: a stratified 60/20/20 split, seed 0), cut into
 
 - ``reference``: a plain PyG model with PyG's own example recipe (``benchmarks/pyg_reference.py``);
 - ``centralized``, ``centralized --layerwise``, ``retexo``, ``retexo --sync avg --sync-every 5
-  --compress int8`` and ``standard``: ``retexo train``'s defaults, only the strategy options and
-  the seed set.
+  --compress int8`` and ``standard``: ``retexo train``'s defaults (``--recipe auto``: the recipe
+  searched on each graph's validation split), only the strategy options and the seed set.
 
 The metric is accuracy, or ROC-AUC for a two-class label; every figure is the test (and
 validation) metric of the model kept on validation. It prints mean ± standard deviation over the
