@@ -14,6 +14,7 @@ Each field carries its help text and, in ``json_schema_extra``, how it enters th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,7 +57,8 @@ class TrainConfig(BaseModel):
         "trains layer 1 on both from its one halo exchange and keeps the better; end-to-end strategies train "
         "the whole model on both and keep the better).", scope="layer")
     recipe: str = option(
-        "auto", "auto: choose the recipe (feature normalisation, LayerNorm, weight decay, dropout, learning rate) on "
+        "auto", "auto: choose the recipe (feature normalisation, skip connection, LayerNorm, weight decay, dropout, "
+        "learning rate) on "
         "validation, knob by knob: per layer from its one halo exchange for layer-wise training, the whole model "
         "for centralized (other end-to-end strategies search the feature normalisation only); default: the "
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
@@ -154,9 +156,7 @@ class TrainConfig(BaseModel):
     def _recipe(cls, value: Any) -> str:
         """auto, default, or a recipe (a file's path, a JSON object or its text) kept as canonical
         JSON text, so that the fingerprints follow its content, not its path."""
-        from pathlib import Path
-
-        from retexo_core.recipe import checked_recipe, read_recipe_file
+        from retexo_core.recipe import checked_recipe, read_recipe_file  # the recipe module reads this one
 
         if value in ("auto", "default"):
             return value

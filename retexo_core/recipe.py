@@ -22,8 +22,8 @@ costs rounds (gradient sync and validation), never halo traffic; an end-to-end m
 searched as a whole (``features`` and, for ``centralized``, every knob). ``features`` is only
 searched on layer 1 with ``--normalize-features auto`` and non-negative features; ``norm`` is not
 searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one), and
-neither under a warm start (the parameters must fit);
-a knob whose alternative does not change this layer's training is skipped.
+neither under a warm start (the parameters must fit); layer 1 of layer-wise training always keeps
+its weight decay.
 
 A recipe file (``--recipe FILE``) is what a searched run stores as ``recipe.json``: ``{"layers":
 {"1": {knob: value, ...}, "2": {...}}}``; an end-to-end run reads layer 1's entry.
@@ -74,10 +74,9 @@ def apply_knobs(config: TrainConfig, layer: int, knobs: dict[str, Any], end_to_e
 
 @dataclass(frozen=True)
 class Candidate:
-    """One recipe the search trains: its knob values, and the knob it varies (None: the start)."""
+    """One recipe the search trains: its knob values."""
 
     knobs: dict[str, Any]
-    varies: str | None = None
 
     def describe(self) -> dict[str, Any]:
         return dict(self.knobs)
@@ -131,7 +130,7 @@ class GreedySearch:
             return None
         name, value = self.plan[self._step]
         self._step += 1
-        self._pending = Candidate({**self.best.knobs, name: value}, name)
+        self._pending = Candidate({**self.best.knobs, name: value})
         return self._pending
 
     def report(self, score: float) -> bool:
@@ -173,7 +172,7 @@ def read_recipe_file(path: Path) -> dict[int, dict[str, Any]]:
 def checked_recipe(raw: Any, where: str) -> dict[int, dict[str, Any]]:
     """Layer -> knob values of a recipe object ``{"layers": {...}}``; ``ValueError`` naming
     ``where`` and the field when it is not one."""
-    path = where
+    path = where  # the file, or "recipe" for an inline object
     layers = raw.get("layers") if isinstance(raw, dict) else None
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f'{path}: expected {{"layers": {{"1": {{knob: value}}, ...}}}}')
