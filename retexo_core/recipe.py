@@ -82,17 +82,33 @@ class Candidate:
         return dict(self.knobs)
 
 
-def searched_knobs(config: TrainConfig, layer: int, *, last: bool, nonnegative: bool, full: bool) -> list[str]:
+def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: bool) -> list[str]:
     """The knobs searched for layer ``layer``: ``features`` where it can differ; the rest only
     with ``full`` (``--recipe auto`` where a whole search applies)."""
     names = []
     if layer == 1 and config.normalize_features == "auto" and nonnegative:
         names.append("features")
     if full:
+        last = layer == config.layers
         structural = config.warm_start is not None  # the warm-start parameters must fit the block
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
                   and not (n == "skip" and (config.model == "sage" or structural))]
     return names
+
+
+def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative: bool) -> "GreedySearch":
+    """The candidates of layer ``layer`` (layer 1 stands for a whole end-to-end model): a recipe
+    file's entry as the one candidate; under ``--recipe auto`` every knob for layer-wise training
+    and ``centralized`` (no traffic), the features alone for the distributed end-to-end
+    strategies (each candidate is a whole training: their traffic would multiply); under
+    ``default`` the features alone (``--normalize-features auto``)."""
+    start = knobs_of(config, layer, end_to_end)
+    fixed = config.fixed_recipe
+    if fixed is not None:
+        return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
+    full = config.recipe == "auto" and (not end_to_end or config.strategy == "centralized")
+    names = searched_knobs(config, layer, nonnegative=nonnegative, full=full)
+    return GreedySearch(start, names, layer=layer, end_to_end=end_to_end)
 
 
 def alternatives(name: str, current: Any, *, layer: int, end_to_end: bool) -> list[Any]:

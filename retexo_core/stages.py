@@ -26,7 +26,7 @@ from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
 from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
 from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
-from retexo_core.recipe import GreedySearch, apply_knobs, knobs_of, searched_knobs
+from retexo_core.recipe import apply_knobs, search_for
 from retexo_core.strategies.retexo import Views, features_transform, train_layer
 
 log = logging.getLogger("retexo.worker")
@@ -138,30 +138,15 @@ def train_whole_model(ctx: WorkerContext, sink: ResultSink,
     return eval_ctx, result
 
 
-def end_to_end_search(ctx: WorkerContext) -> GreedySearch:
-    """The whole-model candidates: every knob for ``centralized`` under ``--recipe auto`` (no
-    traffic: the search costs time only), the feature normalisation alone for the distributed
-    end-to-end strategies (each candidate is a whole training: its traffic would multiply) and
-    under ``default``; a recipe file's layer-1 entry is one fixed candidate."""
-    cfg = ctx.config
-    start = knobs_of(cfg, 1, end_to_end=True)
-    if cfg.fixed_recipe is not None:
-        return GreedySearch({**start, **cfg.fixed_recipe.get(1, {})}, [], layer=1, end_to_end=True)
-    names = searched_knobs(cfg, 1, last=cfg.layers == 1, nonnegative=ctx.data.features_nonnegative,
-                           full=cfg.recipe == "auto" and cfg.strategy == "centralized")
-    return GreedySearch(start, names, layer=1, end_to_end=True)
-
-
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
-    """An end-to-end strategy's whole training once per candidate recipe (``end_to_end_search``),
+    """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
     keeping the one with the best validation score (the earlier on ties); every candidate's
     traffic is in the log. Returns the evaluation context, the kept result and the choice (empty
     without a search)."""
-    search = end_to_end_search(ctx)
+    search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
     total = search.size * ctx.config.epochs
     kept: tuple[WorkerContext, EndToEndResult] | None = None
-    which = 0
     while (candidate := search.next()) is not None:
         transform = features_transform(ctx.config, candidate.knobs)
 
@@ -171,11 +156,10 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
 
         mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=transform(ctx.data.x)), history=[],
                                    config=apply_knobs(ctx.config, 1, candidate.knobs, end_to_end=True),
-                                   progress=(which * ctx.config.epochs, total))
+                                   progress=(len(search.tried) * ctx.config.epochs, total))
         eval_ctx, result = train_whole_model(mine, sink, refresh)
         if search.report(result.best_val):
             kept = (eval_ctx, result)
-        which += 1
     assert kept is not None
     chosen = search.choice()
     if chosen:

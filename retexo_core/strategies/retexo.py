@@ -37,7 +37,7 @@ from retexo_core.models import (
     partial_aggregate,
     seeded,
 )
-from retexo_core.recipe import GreedySearch, apply_knobs, knobs_of, searched_knobs
+from retexo_core.recipe import apply_knobs, search_for
 from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
@@ -339,30 +339,17 @@ class LayerFit:
         return self.best
 
 
-def layer_search(ctx: WorkerContext, layer: int) -> GreedySearch:
-    """The candidates of layer ``layer``: a greedy search under ``--recipe auto`` (the features
-    alone under ``default`` with ``--normalize-features auto``), one fixed candidate otherwise."""
-    cfg = ctx.config
-    fixed = cfg.fixed_recipe
-    if fixed is not None:
-        start = {**knobs_of(cfg, layer, end_to_end=False), **fixed.get(layer, {})}
-        return GreedySearch(start, [], layer=layer, end_to_end=False)
-    names = searched_knobs(cfg, layer, last=layer == cfg.layers, nonnegative=ctx.data.features_nonnegative,
-                           full=cfg.recipe == "auto")
-    return GreedySearch(knobs_of(cfg, layer, end_to_end=False), names, layer=layer, end_to_end=False)
-
-
 def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
     from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are).
 
-    The layer's recipe candidates (``layer_search``) all train from the same initial parameters
+    The layer's recipe candidates (``recipe.search_for``) all train from the same initial parameters
     on inputs prepared from the same single halo exchange (one preparation per ``features``
     value). The start recipe trains ``recipe_screen`` rounds, then each alternative as many; a
     strictly better best validation score replaces the kept one, which finally goes on to the
     layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored."""
     base = ctx.config
-    search = layer_search(ctx, layer)
+    search = search_for(base, layer, end_to_end=False, nonnegative=ctx.data.features_nonnegative)
     features = list(dict.fromkeys([search.best.knobs["features"]]
                                   + [v for n, v in search.plan if n == "features"]))
     skips = bool(search.best.knobs["skip"]) or any(n == "skip" for n, _ in search.plan)
