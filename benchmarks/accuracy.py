@@ -4,8 +4,9 @@ Without ``--suite``: Cora (bundled; the public Planetoid split), GCN, GraphSAGE 
 the figures published in the Retexo README for Cora.
 
 With ``--suite``: every graph of ``../shared/datasets`` (``--datasets DIR``), each ingested with the
-project's own commands from its original files (Planetoid files; ``.npz`` with official splits,
-split 0; ``.npz`` without splits: a stratified 60/20/20 split, seed 0), cut into 4 random parts
+project's own commands from its original files (Planetoid files: the public split; ``.npz`` with
+official splits: seed i trains on split i, so that the mean covers several splits of the small
+graphs; ``.npz`` without splits: a stratified 60/20/20 split, seed 0), cut into 4 random parts
 (seed 0), for GCN, GraphSAGE and GAT and each of ``--seeds`` seeds:
 
 - ``reference``: a plain PyG model with PyG's own example recipe (``benchmarks/pyg_reference.py``);
@@ -69,7 +70,7 @@ PUBLISHED = {"gcn": (0.820, 0.828), "sage": (0.826, 0.825), "gat": (0.807, 0.818
 class SuiteGraph:
     name: str
     path: str  # relative to the datasets folder: a Planetoid folder or an .npz / .zip file
-    official_split: bool = True  # .npz: split 0 of its masks; else a stratified 60/20/20 split (seed 0)
+    official_split: bool = True  # .npz: seed i uses split i of its masks; else a stratified 60/20/20 split (seed 0)
     max_seeds: int | None = None  # the largest graphs train fewer seeds (stated in the table)
 
 
@@ -85,13 +86,14 @@ SUITE = (
 )
 
 
-def ingest(store: Store, graph: SuiteGraph, datasets: Path) -> DatasetRef:
-    """The graph from its original files, as ``retexo ingest planetoid|npz`` would."""
+def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> DatasetRef:
+    """The graph from its original files, as ``retexo ingest planetoid|npz`` would, for ``seed``
+    (official split ``seed`` of an ``.npz`` that ships splits, named ``<graph>_split<seed>``)."""
     path = datasets / graph.path
     if path.is_dir():
         return ingest_planetoid(store, path, graph.name)
     if graph.official_split:
-        return ingest_npz(store, path, graph.name, split_index=0)
+        return ingest_npz(store, path, graph.name if seed == 0 else f"{graph.name}_split{seed}", split_index=seed)
     return ingest_npz(store, path, graph.name, fractions=SplitFractions(train=0.6, val=0.2, seed=0))
 
 
@@ -114,21 +116,28 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
-def measure(store: Store, dataset: DatasetRef, partition: object, models: list[str], variants: list[str],
+def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list[str], variants: list[str],
             seeds: int) -> list[dict[str, Any]]:
+    """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed."""
     rows = []
-    plain = load_plain(dataset)
-    metric = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
+    inputs = []  # per seed: (dataset, partition, plain PyG data)
+    for seed in range(seeds):
+        dataset = (ingest(store, graph, datasets, seed) if datasets is not None
+                   else ingest_planetoid(store, REPO / "data" / "cora", "cora"))
+        partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+        inputs.append((dataset, partition, load_plain(dataset)))
+    metric = "ROC-AUC" if inputs[0][0].num_classes == 2 else "accuracy"
     for model in models:
         for variant in variants:
             options = VARIANTS[variant]
             started = time.perf_counter()
             runs = [reference_once(dataset, plain, model, seed) if options is None
-                    else train_once(store, dataset, partition, options, model, seed) for seed in range(seeds)]
-            row = {"graph": dataset.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
+                    else train_once(store, dataset, partition, options, model, seed)
+                    for seed, (dataset, partition, plain) in enumerate(inputs)]
+            row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
-            print(f"  {dataset.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
+            print(f"  {graph.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
                   f"({row['seconds']:.0f} s)", flush=True)
             rows.append(row)
     return rows
@@ -196,14 +205,11 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store = Store.open(args.store or Path(tmp) / "store")
-        datasets = ([ingest(store, g, args.datasets) for g in graphs] if args.suite
-                    else [ingest_planetoid(store, REPO / "data" / "cora", "cora")])
         rows = []
-        for graph, dataset in zip(graphs if args.suite else [SUITE[0]], datasets):
+        for graph in graphs if args.suite else [SUITE[0]]:
             seeds = min(args.seeds, graph.max_seeds or args.seeds)
-            partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
-            print(f"{dataset.name}: {seeds} seeds, random into {PARTS} parts", flush=True)
-            rows += measure(store, dataset, partition, models, variants, seeds)
+            print(f"{graph.name}: {seeds} seeds, random into {PARTS} parts", flush=True)
+            rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     print_tables(rows)
