@@ -61,7 +61,9 @@ def check_local_workers(parts: int, strategy: str, nnodes: int = 1, node_rank: i
     """The ceiling of worker processes per machine, checked before a partition is built."""
     from runner.launch import check_worker_processes, node_ranks
 
-    world = 1 if strategy == "centralized" else parts
+    from retexo_core.strategies.registry import spec
+
+    world = 1 if spec(strategy).whole_graph else parts
     check_worker_processes(len(node_ranks(world, nnodes, node_rank)))
 
 

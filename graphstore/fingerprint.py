@@ -29,11 +29,12 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def tree_digest(root: Path, pattern: str = "*.py") -> str:
-    """sha256 over the relative paths and bytes of files matching ``pattern`` under ``root``."""
+def tree_digest(root: Path, pattern: str = "*.py", skip: frozenset[str] = frozenset()) -> str:
+    """sha256 over the relative paths and bytes of files matching ``pattern`` under ``root``, but
+    those whose relative path is in ``skip``."""
     digest = hashlib.sha256()
     for path in sorted(root.rglob(pattern)):
-        if "__pycache__" in path.parts:
+        if "__pycache__" in path.parts or str(path.relative_to(root)) in skip:
             continue
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())

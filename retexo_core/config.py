@@ -19,12 +19,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Strategy = Literal["retexo", "standard", "centralized", "varco", "tma", "grappa"]
+from retexo_core.strategies.registry import (
+    EARLY_STOPPING, END_TO_END, LAYERWISE, NAMES, OPTIONALLY_LAYERWISE, STRATEGIES, WARM_STARTABLE, StrategySpec, spec,
+)
+
+Strategy = Literal[NAMES]  # type: ignore[valid-type]
 ModelName = Literal["gcn", "sage", "gat"]
 Compression = Literal["none", "fp16", "int8"]
 Scope = Literal["layer", "per_layer", "run", "none"]
-END_TO_END = ("standard", "centralized", "varco", "tma", "grappa")
-WARM_STARTABLE = ("retexo", "centralized", "standard", "varco")
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
 
@@ -45,9 +47,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Strategy = option("retexo", "retexo (lazy message passing, layer by layer) | standard (full-graph "
-                                "distributed; bns_rate < 1 gives BNS-GCN) | centralized (one process) | varco | tma "
-                                "| grappa.", scope="layer")
+    strategy: Strategy = option("retexo", " | ".join(f"{s.name} ({s.help})" for s in STRATEGIES.values()) + ".",
+                                scope="layer")
     model: ModelName = option("gcn", "gcn | sage | gat.", scope="layer")
     setting: Literal["transductive", "inductive"] = option(
         "transductive", "transductive | inductive (val/test nodes and their edges unseen in training).", scope="layer")
@@ -64,7 +65,7 @@ class TrainConfig(BaseModel):
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
     recipe_screen: int = option(50, "recipe auto, layer-wise: rounds each alternative recipe trains before the best "
                                 "one so far goes on to the layer's full rounds.", scope="layer",
-                                strategies=("retexo", "centralized"), ge=1)
+                                strategies=LAYERWISE, ge=1)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
@@ -80,13 +81,13 @@ class TrainConfig(BaseModel):
                         "(a skip connection, like SAGE's root weight; no extra traffic).", scope="layer")
     patience: int | None = option(None, "Early stopping: stop a layer (or an end-to-end run) when validation "
                                   "accuracy has not improved for this many rounds or epochs; none = never.",
-                                  scope="layer", strategies=("retexo", "centralized", "standard", "varco"), ge=1)
+                                  scope="layer", strategies=EARLY_STOPPING, ge=1)
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line); 0 only with warm_start.", scope="per_layer",
-                                     strategies=("retexo", "centralized"))
+                                     strategies=LAYERWISE)
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
-                                    strategies=("retexo", "centralized"), ge=1)
+                                    strategies=LAYERWISE, ge=1)
     lr: float | list[float] | None = option(
         None, f"Learning rate, one value or one per layer (comma list); default {LR}, except layer 1 of layer-wise "
         f"GCN: {LAYERWISE_FIRST_LR['gcn']} (see docs/training.md, the default recipe).", scope="per_layer")
@@ -110,7 +111,7 @@ class TrainConfig(BaseModel):
     eval_every: int = option(5, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
                              "parameters with the best validation accuracy are kept.", scope="layer", ge=1)
     layerwise: bool = option(False, "centralized: train layer by layer like Retexo.", scope="layer",
-                             strategies=("centralized",))
+                             strategies=OPTIONALLY_LAYERWISE)
     varco_c_max: float = option(8.0, "varco: compression ratio at the first epoch.", scope="run",
                                 strategies=("varco",), ge=1)
     varco_c_min: float = option(1.0, "varco: compression ratio at the last epoch.", scope="run",
@@ -229,8 +230,13 @@ class TrainConfig(BaseModel):
         return self.weight_decay_layers == "all" or layer == 1
 
     @property
+    def strategy_spec(self) -> StrategySpec:
+        return spec(self.strategy)
+
+    @property
     def is_layerwise(self) -> bool:
-        return self.strategy == "retexo" or (self.strategy == "centralized" and self.layerwise)
+        layerwise = self.strategy_spec.layerwise
+        return layerwise is True or (layerwise == "optional" and self.layerwise)
 
     def _fields(self, scopes: set[str]) -> list[str]:
         """Names of the fields with one of ``scopes`` that apply to this run's strategy."""

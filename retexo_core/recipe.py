@@ -106,7 +106,7 @@ def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative
     fixed = config.fixed_recipe
     if fixed is not None:
         return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
-    full = config.recipe == "auto" and (not end_to_end or config.strategy == "centralized")
+    full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph)
     names = searched_knobs(config, layer, nonnegative=nonnegative, full=full)
     return GreedySearch(start, names, layer=layer, end_to_end=end_to_end)
 

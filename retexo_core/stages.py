@@ -24,8 +24,8 @@ from retexo_core.halo import VIEWS
 from retexo_core.models import Features
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
-from retexo_core.strategies.endtoend import EndToEndResult, train_end_to_end
-from retexo_core.strategies.isolated import evaluate_outputs, isolated_context, train_grappa, train_tma
+from retexo_core.strategies.endtoend import EndToEndResult
+from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import apply_knobs, search_for
 from retexo_core.strategies.retexo import Views, features_transform, train_layer
 
@@ -43,8 +43,7 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     """
     comm.layer = layers[0] if config.is_layerwise else 0
     data = prepare_features(data, config)
-    isolated = config.strategy in ("tma", "grappa")
-    ctx = isolated_context(comm, data, config) if isolated else make_context(comm, data, config)
+    ctx = isolated_context(comm, data, config) if config.strategy_spec.isolated else make_context(comm, data, config)
     ctx.on_progress = lambda layer, done, total, val: sink.progress(layer, data.part, done, total, val,
                                                                     comm.log.total_bytes())
     log.info("%s %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
@@ -125,19 +124,6 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         own = result.outputs  # type: ignore[assignment]
 
 
-def train_whole_model(ctx: WorkerContext, sink: ResultSink,
-                      load_refresh: Callable[[int], PartData]) -> tuple[WorkerContext, EndToEndResult]:
-    """Train with an end-to-end strategy; returns the context the final evaluation runs in."""
-    strategy = ctx.config.strategy
-    if strategy not in ("tma", "grappa"):
-        initial = [sink.initial_state(layer) for layer in range(1, ctx.config.layers + 1)]
-        return ctx, train_end_to_end(ctx, None if initial[0] is None else initial)  # type: ignore[arg-type]
-    result = train_tma(ctx) if strategy == "tma" else train_grappa(ctx, load_refresh)
-    eval_ctx, result.outputs = evaluate_outputs(ctx, result.blocks)
-    eval_ctx.history = ctx.history
-    return eval_ctx, result
-
-
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
@@ -157,7 +143,7 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
         mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=transform(ctx.data.x)), history=[],
                                    config=apply_knobs(ctx.config, 1, candidate.knobs, end_to_end=True),
                                    progress=(len(search.tried) * ctx.config.epochs, total))
-        eval_ctx, result = train_whole_model(mine, sink, refresh)
+        eval_ctx, result = mine.config.strategy_spec.load_trainer()(mine, sink, refresh)
         if search.report(result.best_val):
             kept = (eval_ctx, result)
     assert kept is not None

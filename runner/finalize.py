@@ -22,7 +22,7 @@ from graphstore.integrity import folder_digests
 from graphstore.parquet_io import COMPRESSION, read_table
 from retexo_core.comm.network import bytes_by_kind, simulated_seconds, total_bytes
 from retexo_core.recipe import run_recipe
-from runner.plan import CODE_VERSION, RunPlan, run_label
+from runner.plan import RunPlan, code_version, run_label
 from runner.results import TRAFFIC
 
 RECIPE = "recipe.json"  # the knobs each layer trained with, in the format --recipe FILE reads
@@ -67,7 +67,7 @@ def finalize_run(plan: RunPlan) -> RunManifest:
         evaluation=rows, total_bytes=total, bytes_by_kind=by_kind,
         sim_comm_s=round(simulated, 6), wall_s=round(sum(m.seconds for m in layers), 3),
         layers=[LayerRef(layer=m.layer, fp=m.fp, reused_from=m.reused_from) for m in layers],
-        code_version=CODE_VERSION, site=plan.site, bytes_by_site=by_site,
+        code_version=code_version(plan.config.strategy), site=plan.site, bytes_by_site=by_site,
         recipe=run_recipe({m.layer: m.recipe for m in layers}),
     )
     with writer_lock(store, run_dir):

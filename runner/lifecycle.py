@@ -43,6 +43,7 @@ from graphstore.manifests import RunManifest, read_manifest
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
+from retexo_core.strategies.registry import spec
 from runner.descendant_guard import guard_run
 from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
@@ -125,7 +126,7 @@ def refresh_partitions(plan: RunPlan) -> tuple[str, ...]:
     """grappa: the partitions of refresh periods 1, 2, ... (same method, next seeds), built into the
     store before the launch so that workers load them like any partition."""
     cfg = plan.config
-    if cfg.strategy != "grappa":
+    if not cfg.strategy_spec.refreshes_partitions:
         return ()
     source = PartitionRef.at(Path(plan.source_dir))
     options = PartitionOptions(**source.manifest.options_payload())
@@ -310,7 +311,7 @@ def training_sources(store: Store, dataset: str, options: PartitionOptions, stra
                      launch: LaunchOptions, wait_s: float, force: bool = False) -> tuple[DatasetRef, PartitionRef | None]:
     """The dataset and the partition a run trains on. Node 0 builds the partition when it is missing;
     the other nodes of a multi-node launch wait (up to ``wait_s``) for it to appear in the shared store."""
-    if strategy == "centralized":
+    if spec(strategy).whole_graph:
         return find_dataset(store, dataset), None
     if launch.node_rank == 0:
         ref = find_dataset(store, dataset)

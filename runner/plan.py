@@ -1,25 +1,39 @@
 """A run's plan: its fingerprint, its layers' fingerprints, and where its inputs are.
 
 A run is ``runs/run=<rfp>/``; its layers are folders ``layer=<l>/`` keyed (in their manifests) by a
-layer fingerprint = source (partition or dataset) fp + the options of layers 1..l + the code
-version of ``retexo_core``. End-to-end strategies produce all layers in one launch; their layer
+layer fingerprint = source (partition or dataset) fp + the options of layers 1..l + the
+strategy's code version (``code_version``). End-to-end strategies produce all layers in one launch; their layer
 fingerprint covers the whole configuration.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
 from graphstore.errors import RetexoError, StoreError
-from graphstore.fingerprint import fingerprint, tree_digest
+from graphstore.fingerprint import file_digest, fingerprint, tree_digest
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, PartitionRef, completed_run, find_dataset, find_layer, layer_fp_of
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
+from retexo_core.strategies.registry import AT_SITES, STRATEGIES, spec
 
-CODE_VERSION = tree_digest(Path(__file__).resolve().parents[1] / "retexo_core")[:16]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@cache
+def code_version(strategy: str) -> str:
+    """The code a run of ``strategy`` depends on: ``retexo_core`` without the other strategies'
+    modules (``StrategySpec.modules``), and ``runner/results.py``, which writes its outputs."""
+    mine = {f"strategies/{m}" for m in spec(strategy).modules}
+    others = frozenset(f"strategies/{m}" for s in STRATEGIES.values() for m in s.modules) - mine
+    return fingerprint({"core": tree_digest(REPO / "retexo_core", skip=others),
+                        "results": file_digest(REPO / "runner" / "results.py")})
+
+
 LayerState = Literal["done", "reusable", "pending"]
 
 
@@ -84,13 +98,14 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
              network: NetworkModel) -> RunPlan:
     """Fingerprints of the run and of each layer; centralized runs read the whole dataset."""
     config = resolve_warm_start(store, dataset, config)
-    whole = config.strategy == "centralized"
+    whole = config.strategy_spec.whole_graph
     if not whole and partition is None:
         raise RetexoError(f"strategy {config.strategy} needs a partition")
     source_fp = dataset.fp if whole else partition.fp  # type: ignore[union-attr]
-    run_fp = fingerprint({"code": CODE_VERSION, "source": source_fp, "config": config.run_payload()})
+    code = code_version(config.strategy)
+    run_fp = fingerprint({"code": code, "source": source_fp, "config": config.run_payload()})
     if config.is_layerwise:
-        layer_fps = {l: fingerprint({"code": CODE_VERSION, "source": source_fp, "layer": l, **config.layer_payload(l)})
+        layer_fps = {l: fingerprint({"code": code, "source": source_fp, "layer": l, **config.layer_payload(l)})
                      for l in range(1, config.layers + 1)}
     else:
         layer_fps = {l: fingerprint({"run": run_fp, "layer": l}) for l in range(1, config.layers + 1)}
@@ -104,16 +119,13 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
     )
 
 
-SITE_STRATEGIES = ("retexo", "standard")
-
-
 def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, config: TrainConfig,
                   network: NetworkModel, site: int, sites: int) -> RunPlan:
     """The run of site ``site`` of ``sites``, over its site partition: fingerprinted as
     ``plan_run`` does, plus the site's rank and the number of sites (each site keeps its own run
     folder; they are not shared)."""
-    if config.strategy not in SITE_STRATEGIES or config.tolerate_failures or config.warm_start:
-        raise RetexoError(f"sites train the strategies {', '.join(SITE_STRATEGIES)} (without warm start or "
+    if not config.strategy_spec.at_sites or config.tolerate_failures or config.warm_start:
+        raise RetexoError(f"sites train the strategies {', '.join(AT_SITES)} (without warm start or "
                           f"tolerated failures); {config.strategy} needs a central partition")
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
@@ -148,6 +160,6 @@ def run_label(config: TrainConfig) -> str:
         extras.append(f"avg/{config.sync_every}")
     if config.compress != "none":
         extras.append(config.compress)
-    if config.strategy == "centralized" and config.layerwise:
+    if config.strategy_spec.layerwise == "optional" and config.layerwise:
         extras.append("layerwise")
     return config.strategy + (f"({','.join(extras)})" if extras else "")

@@ -63,7 +63,8 @@ def preview_training(store: Store, dataset: str, options: PartitionOptions, conf
     """What ``retexo train DATASET`` with these options would do on this machine (one node)."""
     ref = find_dataset(store, dataset)
     preview = Preview(ref, None, None, None, available=available_memory())
-    if config.strategy == "centralized":
+    whole = config.strategy_spec.whole_graph
+    if whole:
         preview.plan = plan_run(store, ref, None, config, network)
     else:
         preview.partition = find_partition(store, ref, options)
@@ -74,8 +75,8 @@ def preview_training(store: Store, dataset: str, options: PartitionOptions, conf
             preview.plan = plan_run(store, ref, preview.partition, config, network)
     if preview.plan is not None:
         preview.layer_states = {layer: layer_state(preview.plan, layer) for layer in preview.plan.layers}
-    world = 1 if config.strategy == "centralized" else options.parts
-    halo = (0 if config.strategy == "centralized" else
+    world = 1 if whole else options.parts
+    halo = (0 if whole else
             preview.partition.halo_total if preview.partition is not None else worst_case_halo(ref, options.parts))
     if any(state != "done" for state in preview.layer_states.values()) or preview.plan is None:
         preview.estimates.append(memory_for(ref, config, world, halo, world))

@@ -21,7 +21,8 @@ from graphstore.layout import Store
 from graphstore.lookup import completed_run
 from graphstore.manifests import RunManifest, utc_now
 from graphstore.promotion import PromotionOptions, PromotionRecord, latest_decision, passes_gate, record_decision
-from retexo_core.config import WARM_STARTABLE, TrainConfig
+from retexo_core.config import TrainConfig
+from retexo_core.strategies.registry import spec
 from runner.lifecycle import run_training
 from tasks.best_effort import report
 
@@ -50,7 +51,7 @@ def decide(params: RunParams, gate: PromotionOptions, candidate: RunManifest) ->
         return current.model_copy(update={**common, "decision": "kept", "decided_at": utc_now(),
                                           "reason": "the promoted model is this run: nothing changed"})
     incumbent = completed_run(store, current.promoted_run)
-    if incumbent.strategy in WARM_STARTABLE:
+    if spec(incumbent.strategy).warm_startable:
         evaluation = evaluate_incumbent(params, incumbent)
         old_acc, evaluation_run, where = evaluation.val_acc or 0.0, evaluation.fp, "re-evaluated on this data"
     else:  # tma / grappa models cannot be loaded into a run: compare with what they scored on their data

@@ -18,6 +18,7 @@ centralized full-graph training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +26,10 @@ import torch
 from torch import nn
 
 from retexo_core.config import TrainConfig
+from retexo_core.data import PartData
 from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
 from retexo_core.models import Features, LocalGraph, build_blocks
+from retexo_core.results import ResultSink
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
 
 
@@ -148,3 +151,11 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
     outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
     return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained)
+
+
+def train_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
+                ) -> tuple[WorkerContext, EndToEndResult]:
+    """The registry's trainer (standard, BNS, VARCO, centralized): from the warm-start run's blocks
+    when ``sink`` has them; evaluated in ``ctx`` itself."""
+    initial = [sink.initial_state(layer) for layer in range(1, ctx.config.layers + 1)]
+    return ctx, train_end_to_end(ctx, None if initial[0] is None else initial)  # type: ignore[arg-type]

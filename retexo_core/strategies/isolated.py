@@ -45,6 +45,7 @@ from retexo_core.data import PartData
 from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.halo import VIEWS, VIEW_LEVEL, in_degree, node_levels
 from retexo_core.models import Features, LocalGraph, local_graph
+from retexo_core.results import ResultSink
 from retexo_core.strategies.common import (
     adam,
     BestState,
@@ -258,3 +259,22 @@ def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerC
     with torch.no_grad():
         computed = {v: forward(full, blocks, x_local, full.graphs[v], full.plans[v]) for v in full.views}
     return full, {v: computed.get(v, computed["full"]) for v in VIEWS}
+
+
+def evaluated(ctx: WorkerContext, result: EndToEndResult) -> tuple[WorkerContext, EndToEndResult]:
+    """``result`` with the outputs of the final evaluation (``evaluate_outputs``) and its context."""
+    eval_ctx, result.outputs = evaluate_outputs(ctx, result.blocks)
+    eval_ctx.history = ctx.history
+    return eval_ctx, result
+
+
+def train_tma_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
+                    ) -> tuple[WorkerContext, EndToEndResult]:
+    """The registry's trainer of tma (not warm-startable: ``sink`` holds no initial state)."""
+    return evaluated(ctx, train_tma(ctx))
+
+
+def train_grappa_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
+                       ) -> tuple[WorkerContext, EndToEndResult]:
+    """The registry's trainer of grappa, over the partitions of ``load_refresh``."""
+    return evaluated(ctx, train_grappa(ctx, load_refresh))
