@@ -46,10 +46,9 @@ from graphstore.lookup import DatasetRef  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
-from retexo_core.comm.network import NetworkModel  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
 from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
-from runner.plan import plan_run  # noqa: E402
+from runner.request import RunRequest, prepare_run  # noqa: E402
 
 MODELS = ("gcn", "sage", "gat")
 PARTS = 4
@@ -101,7 +100,7 @@ def train_once(store: Store, dataset: DatasetRef, partition: object, options: di
                seed: int) -> dict[str, float]:
     """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
     config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600)
-    plan = plan_run(store, dataset, None if config.strategy == "centralized" else partition, config, NetworkModel())
+    plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
 

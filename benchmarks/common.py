@@ -20,7 +20,7 @@ from graphstore.lookup import DatasetRef  # noqa: E402
 from retexo_core.comm.network import NetworkModel, bytes_by_kind, simulated_seconds  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
 from runner.lifecycle import run_training  # noqa: E402
-from runner.plan import plan_run  # noqa: E402
+from runner.request import RunRequest, prepare_run  # noqa: E402
 
 KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control")
 
@@ -44,8 +44,8 @@ def measure(store: Store, dataset: DatasetRef, partition: Any, label: str, netwo
     """Train one configuration (or reuse it from the store) and return its figures."""
     config = TrainConfig(**{"hidden": 256, "layers": 2, "timeout_s": 1800, **options})
     started = time.perf_counter()
-    plan = plan_run(store, dataset, None if config.strategy == "centralized" else partition, config,
-                    next(iter(networks.values())))
+    plan = prepare_run(RunRequest.over(store, dataset, partition, config, next(iter(networks.values()))),
+                       partitions="stored")
     summary, progress = run_training(plan)
     comm = pq.read_table(store.run_dir(plan.run_fp) / "comm.parquet")
     row = {"run": plan.run_fp, "strategy": label, "model": config.model, "test_acc": summary.accuracy("test"),

@@ -41,10 +41,9 @@ from graphstore.manifests import LayerManifest, RunManifest, read_manifest  # no
 from graphstore.parquet_io import read_table  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
-from retexo_core.comm.network import NetworkModel  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
 from runner.lifecycle import run_training  # noqa: E402
-from runner.plan import plan_run  # noqa: E402
+from runner.request import RunRequest, prepare_run  # noqa: E402
 
 PARTS = 4
 
@@ -96,7 +95,7 @@ def moved_nodes(old: PartitionRef, new: PartitionRef) -> int:
 def train(store: Store, dataset: DatasetRef, partition: PartitionRef, **options: Any) -> RunManifest:
     config = TrainConfig(**{"strategy": "retexo", "model": "gcn", "rounds": 200, "patience": 50,
                             "timeout_s": 600, **options})
-    plan = plan_run(store, dataset, partition, config, NetworkModel())
+    plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")
     summary, _ = run_training(plan)
     assert summary is not None
     return summary

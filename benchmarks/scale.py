@@ -93,10 +93,9 @@ def estimates(store: Path, result: dict, parts: int, models: list[str]) -> dict[
     from graphstore.limits import partition_estimate
     from graphstore.lookup import find_dataset, find_partition
     from graphstore.partition.methods import PartitionOptions
-    from retexo_core.comm.network import NetworkModel
     from retexo_core.config import TrainConfig
     from runner.lifecycle import training_memory
-    from runner.plan import plan_run
+    from runner.request import RunRequest, prepare_run
 
     st = Store.open(store)
     ref = find_dataset(st, result["name"])
@@ -104,7 +103,7 @@ def estimates(store: Path, result: dict, parts: int, models: list[str]) -> dict[
     found = {"ingest": memory_estimate(SyntheticOptions(name=result["name"], nodes=result["nodes"], avg_degree=20)),
              "partition": partition_estimate(ref.num_nodes, ref.num_edges, parts)}
     for model in models:
-        plan = plan_run(st, ref, partition, TrainConfig(model=model), NetworkModel())
+        plan = prepare_run(RunRequest.over(st, ref, partition, TrainConfig(model=model)), partitions="stored")
         found[f"train {model} (command)"] = training_memory(plan, plan.world)
     return {stage: estimate.bytes for stage, estimate in found.items()}
 

@@ -144,8 +144,8 @@ def train_cmd(
     **options: Any,
 ) -> None:
     """Train a GNN over the partitions and print accuracy, bytes by kind, simulated and wall time."""
-    from runner.lifecycle import LaunchOptions, run_training, training_sources
-    from runner.plan import plan_run
+    from runner.lifecycle import run_training
+    from runner.request import RunRequest, prepare_run
 
     stop_on_sigterm()
     started = time.perf_counter()
@@ -158,9 +158,8 @@ def train_cmd(
 
         show_preview(preview_training(st, dataset, partition_options, config, collect(NETWORK, options)))  # type: ignore[arg-type]
         return
-    ref, partition = training_sources(st, dataset, partition_options, config.strategy, LaunchOptions(), 0,
-                                        force=config.force)  # type: ignore[attr-defined]
-    plan = plan_run(st, ref, partition, config, collect(NETWORK, options))
+    plan = prepare_run(RunRequest(store=str(st.root), dataset=dataset, partition=partition_options, train=config,
+                                  network=collect(NETWORK, options)))
     with training_bars() as (on_layer, on_round):
         summary, progress = run_training(plan, on_layer=on_layer, on_round=on_round)
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
@@ -182,8 +181,8 @@ def worker_cmd(
     a failed attempt restarted by it (--max-restarts) resumes at the first unfinished layer."""
     from flows.params import load_params
     from runner.launch import node_ranks
-    from runner.lifecycle import LaunchOptions, run_training, training_sources
-    from runner.plan import plan_run
+    from runner.lifecycle import LaunchOptions, run_training
+    from runner.request import prepare_run
 
     stop_on_sigterm()
     started = time.perf_counter()
@@ -196,9 +195,8 @@ def worker_cmd(
         launch = dataclasses.replace(launch, audit_dir=str(audit_dir))
     nnodes, node_rank = launch.nnodes, launch.node_rank
     check_local_workers(params.partition.parts, params.train.strategy, nnodes, node_rank)  # type: ignore[union-attr]
-    dataset, partition = training_sources(st, params.dataset.name, params.partition, params.train.strategy,  # type: ignore[union-attr]
-                                          launch, params.train.timeout_s, force=params.train.force)
-    plan = plan_run(st, dataset, partition, params.train, params.network)
+    request = params.run_params(params.dataset.name).request().model_copy(update={"store": str(st.root)})  # type: ignore[union-attr]
+    plan = prepare_run(request, node_rank=node_rank, wait_s=params.train.timeout_s)
     ranks = node_ranks(plan.world, nnodes, node_rank)
     err.print(f"node {node_rank}: running ranks {ranks} of run {plan.run_fp}")
     with training_bars() as (on_layer, on_round):
@@ -223,17 +221,15 @@ def site_train_cmd(
     into them (remote sources by id). Every site runs this command with the same training
     options; only the strategy's counted rows, node ids (discovery) and the coordinator's model,
     metrics and byte totals leave a site."""
-    from graphstore.lookup import find_dataset
-    from graphstore.partition.site import build_site_partition
     from runner.lifecycle import LaunchOptions, run_training
-    from runner.plan import plan_site_run
+    from runner.request import RunRequest, SiteSeat, prepare_run
 
     stop_on_sigterm()
     started = time.perf_counter()
     st = open_store(store)
     config = collect(TRAIN, options)
-    ref = find_dataset(st, dataset)
-    plan = plan_site_run(st, ref, build_site_partition(st, ref), config, collect(NETWORK, options), rank, world)  # type: ignore[arg-type]
+    plan = prepare_run(RunRequest(store=str(st.root), dataset=dataset, train=config, network=collect(NETWORK, options),
+                                  site=SiteSeat(rank=rank, world=world)))
     launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port,
                            audit_dir=str(audit_dir) if audit_dir is not None else None, attempts=1)
     if audit_dir is not None:
@@ -266,6 +262,9 @@ def run_cmd(
         params = params.model_copy(update={"store": str(store)})
     prepare_environment()
     from flows.pipeline import pipeline_flow  # Prefect is imported only when a flow runs
+    from tasks.train import show_training_with
+
+    show_training_with(training_bars)
 
     state = run_flow_here(pipeline_flow, params)
     result = state.result(raise_on_failure=False)

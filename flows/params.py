@@ -14,6 +14,7 @@ from graphstore.partition.methods import PartitionOptions
 from graphstore.promotion import PromotionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import Strategy, TrainConfig
+from runner.request import RunRequest
 
 
 StoreField = Field(None, description="Store root (default: $RETEXO_STORE or ./retexo-store)")
@@ -55,6 +56,10 @@ class RunParams(TrainingParams):
     """``train_flow``: one training run over a stored dataset (name = newest version, or fingerprint)."""
 
     dataset: str
+    cold_start_if_unfit: bool = False  # see RunRequest
+
+    def request(self) -> RunRequest:
+        return RunRequest.model_validate(self.model_dump(include=set(RunRequest.model_fields)))
 
 
 class PipelineParams(TrainingParams):
@@ -90,13 +95,6 @@ class PipelineParams(TrainingParams):
 
     def run_params(self, dataset: str) -> RunParams:
         return RunParams(dataset=dataset, **self.model_dump(include=set(TrainingParams.model_fields)))
-
-
-def baseline_params(run: RunParams, strategy: Strategy) -> RunParams:
-    """``run`` trained with ``strategy`` instead: the same dataset, partition, network and shared
-    options (model, layers, hidden, learning rate, dropout, seed, ...), no warm start."""
-    train = TrainConfig.model_validate({**run.train.model_dump(), "strategy": strategy, "warm_start": None})
-    return run.model_copy(update={"train": train})
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

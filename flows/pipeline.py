@@ -18,15 +18,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from flows.params import PipelineParams, RunParams, baseline_params
+from flows.params import PipelineParams, RunParams
 from flows.prefect_runtime import note_outcome, untagged_tasks
 from flows.train import train_and_report
-from graphstore.errors import StoreError
 from graphstore.layout import Store
-from graphstore.lookup import find_dataset
 from graphstore.promotion import warm_start_for
 from retexo_core.config import TrainConfig
-from runner.plan import resolve_warm_start
 from tasks.ingest import ingest_task
 from tasks.partition import partition_task
 from tasks.promote import promote_task
@@ -34,16 +31,10 @@ from tasks.promote import promote_task
 
 def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParams:
     """``run`` starting from the pipeline's promoted model (``promotion.warm_start``) when that
-    model fits this run; a cold start, with a warning, when it does not."""
-    store = Store.open(run.store)
-    warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
+    model fits this run; a cold start, with a warning, when it does not (``prepare_run``)."""
+    warm = warm_start_for(Store.open(run.store), str(params.promotion.pipeline), run.dataset)
     train = TrainConfig.model_validate({**run.train.model_dump(), "warm_start": warm})
-    try:
-        resolve_warm_start(store, find_dataset(store, run.dataset), train)
-    except StoreError as exc:
-        get_run_logger().warning("cold start: the promoted model does not fit this run (%s)", exc)
-        return run
-    return run.model_copy(update={"train": train})
+    return run.model_copy(update={"train": train, "cold_start_if_unfit": True})
 
 
 def completed_text(store_root: str, summary: dict[str, object]) -> str:
@@ -67,20 +58,20 @@ def run_pipeline(params: PipelineParams) -> dict[str, object] | State:
     store_root = str(Store.open(params.store).root)
     dataset = ingest_task(store_root, params.dataset)  # type: ignore[arg-type]
     stages: dict[str, str] = {"ingest": str(dataset["status"])}
-    if params.train.strategy != "centralized":
+    if not params.train.strategy_spec.whole_graph:
         partition = partition_task(store_root, str(dataset["fp"]), params.partition, params.train.force)
         stages["partition"] = str(partition["stage"])
     run = params.run_params(str(dataset["fp"]))
     gate = params.promotion
     if gate.pipeline and gate.warm_start:
         run = with_pipeline_warm_start(params, run)
-    result = train_and_report(run, [baseline_params(run, strategy) for strategy in params.compare])
+    result = train_and_report(run, params.compare)
     stages.update(result["stages"])  # type: ignore[arg-type]
     summary: dict[str, object] = {
         "run": result["run"], "stages": stages, "test_acc": result["test_acc"], "total_bytes": result["total_bytes"],
         "report": result["report"], "plot": result["plot"], "dataset": dataset["fp"], "compared": result["compared"]}
     if gate.pipeline:
-        decision = promote_task(run, gate, str(result["run"]))
+        decision = promote_task(run.request(), gate, str(result["run"]))
         stages["promote"] = str(decision["decision"])
         summary["promotion"] = decision
     for stage, status in stages.items():

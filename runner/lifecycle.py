@@ -37,13 +37,12 @@ from graphstore.errors import RetexoError, StoreError
 from graphstore.history import hold_run, mark_abandoned, record_run_event
 from graphstore.integrity import intact_manifest
 from graphstore.limits import Estimate, check_memory
-from graphstore.layout import MANIFEST, TMP_PREFIX, Store, is_complete
-from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_layer, find_partition, layer_fp_of
+from graphstore.layout import MANIFEST, TMP_PREFIX, is_complete
+from graphstore.lookup import PartitionRef, find_dataset, find_layer, layer_fp_of
 from graphstore.manifests import RunManifest, read_manifest
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
-from retexo_core.strategies.registry import spec
 from runner.descendant_guard import guard_run
 from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
@@ -305,26 +304,3 @@ def training_memory(plan: RunPlan, local_ranks: int) -> Estimate:
     features file's footer and the partition's halo size (nothing is loaded)."""
     halo = 0 if plan.whole_graph else PartitionRef.at(Path(plan.source_dir)).halo_total
     return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo, local_ranks)
-
-
-def training_sources(store: Store, dataset: str, options: PartitionOptions, strategy: str,
-                     launch: LaunchOptions, wait_s: float, force: bool = False) -> tuple[DatasetRef, PartitionRef | None]:
-    """The dataset and the partition a run trains on. Node 0 builds the partition when it is missing;
-    the other nodes of a multi-node launch wait (up to ``wait_s``) for it to appear in the shared store."""
-    if spec(strategy).whole_graph:
-        return find_dataset(store, dataset), None
-    if launch.node_rank == 0:
-        ref = find_dataset(store, dataset)
-        return ref, build_partition(store, ref, options, force=force)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            ref = find_dataset(store, dataset)
-            found = find_partition(store, ref, options)
-        except RetexoError:
-            found = None
-        if found is not None:
-            return ref, found
-        if time.monotonic() > deadline:
-            raise RetexoError(f"partition of {dataset} did not appear in {store.root} within {wait_s:.0f} s")
-        time.sleep(0.5)

@@ -18,7 +18,8 @@ from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
-from runner.plan import RunPlan, layer_state, plan_run
+from runner.plan import RunPlan, layer_state
+from runner.request import RunRequest, prepare_run
 
 
 @dataclass
@@ -64,15 +65,14 @@ def preview_training(store: Store, dataset: str, options: PartitionOptions, conf
     ref = find_dataset(store, dataset)
     preview = Preview(ref, None, None, None, available=available_memory())
     whole = config.strategy_spec.whole_graph
-    if whole:
-        preview.plan = plan_run(store, ref, None, config, network)
-    else:
+    if not whole:
         preview.partition = find_partition(store, ref, options)
         if preview.partition is None:
             preview.partition_to_build = options
             preview.estimates.append(partition_estimate(ref.num_nodes, ref.num_edges, options.parts))
-        else:
-            preview.plan = plan_run(store, ref, preview.partition, config, network)
+    if whole or preview.partition is not None:
+        preview.plan = prepare_run(RunRequest(store=str(store.root), dataset=ref.fp, partition=options, train=config,
+                                              network=network), partitions="stored")
     if preview.plan is not None:
         preview.layer_states = {layer: layer_state(preview.plan, layer) for layer in preview.plan.layers}
     world = 1 if whole else options.parts

@@ -15,8 +15,6 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.params import RunParams
-from flows.train import plan_for
 from graphstore.layout import Store
 from graphstore.lookup import completed_run
 from graphstore.manifests import RunManifest, utc_now
@@ -24,19 +22,22 @@ from graphstore.promotion import PromotionOptions, PromotionRecord, latest_decis
 from retexo_core.config import TrainConfig
 from retexo_core.strategies.registry import spec
 from runner.lifecycle import run_training
+from runner.request import RunRequest, prepare_run
 from tasks.best_effort import report
 
 
-def evaluate_incumbent(params: RunParams, incumbent: RunManifest) -> RunManifest:
-    """The incumbent model's metrics on ``params.dataset``: its layers as they are, 0 rounds."""
+def evaluate_incumbent(params: RunRequest, incumbent: RunManifest) -> RunManifest:
+    """The incumbent model's metrics on ``params.dataset``: its layers as they are, 0 rounds (the
+    partition is the new run's, already stored)."""
     config = TrainConfig.model_validate({**incumbent.config, "warm_start": incumbent.fp, "rounds": 0, "epochs": 0,
                                          "patience": None, "timeout_s": params.train.timeout_s})
-    summary, _ = run_training(plan_for(params.model_copy(update={"train": config})))
+    summary, _ = run_training(prepare_run(params.model_copy(update={"train": config, "cold_start_if_unfit": False}),
+                                          partitions="stored"))
     assert summary is not None
     return summary
 
 
-def decide(params: RunParams, gate: PromotionOptions, candidate: RunManifest) -> PromotionRecord:
+def decide(params: RunRequest, gate: PromotionOptions, candidate: RunManifest) -> PromotionRecord:
     """Apply the gate's rule to ``candidate`` (see ``graphstore.promotion``)."""
     store = Store.open(params.store)
     pipeline = str(gate.pipeline)
@@ -79,7 +80,7 @@ def decision_markdown(record: PromotionRecord) -> str:
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote_task(params: RunParams, gate: PromotionOptions, run: str) -> dict[str, object]:
+def promote_task(params: RunRequest, gate: PromotionOptions, run: str) -> dict[str, object]:
     """Decide, record and explain; returns the record as a dict."""
     store = Store.open(params.store)
     record = decide(params, gate, completed_run(store, run))

@@ -1,7 +1,8 @@
 """Training and reporting tasks. One task owns a whole run: every pending layer is trained in one
 launch of the process group (the lifecycle in ``runner.lifecycle``), and the flow hears of each
-layer as it is committed (a progress artifact and a log line per layer), and draws one progress
-bar per layer from rank 0's rounds. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
+layer as it is committed (a progress artifact and a log line per layer). A process that shows the
+run (the command line: one progress bar per layer from rank 0's rounds) hands its display to
+``show_training_with``; tasks draw nothing themselves. Every rank's log stays in ``runs/run=<fp>/logs/rank-<i>.log``,
 out of the console and the flow log. A retried task resumes from the store at the first
 unfinished layer. Artifacts are best-effort (``tasks.best_effort``): a lost Prefect API never
 fails the training, which completes and is finalised from the store."""
@@ -9,17 +10,36 @@ fails the training, which completes and is finalised from the store."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.console import training_bars
 from graphstore.layout import is_complete
 from graphstore.report import write_report
-from runner.lifecycle import LayerProgress, run_training
+from runner.lifecycle import LayerProgress, OnLayer, OnRound, run_training
 from runner.plan import RunPlan, layer_state
 from tasks.best_effort import report
+
+
+TrainingDisplay = Callable[[], AbstractContextManager[tuple[OnLayer, OnRound]]]  # yields (on_layer, on_round)
+
+
+@contextmanager
+def no_display() -> Iterator[tuple[OnLayer, OnRound]]:
+    yield (lambda item: None), (lambda item: None)
+
+
+display: TrainingDisplay = no_display
+
+
+def show_training_with(shown_by: TrainingDisplay) -> None:
+    """How ``train_task`` shows a run's progress in this process from now on (nothing by default:
+    a deployment's worker has the task's log lines and progress artifact)."""
+    global display
+    display = shown_by
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -34,7 +54,7 @@ def train_task(plan: RunPlan) -> dict[str, object]:
     progress_id = report(create_progress_artifact, 0.0, key=f"train-progress-{plan.run_fp}",
                          description=f"layers finished of run {plan.run_fp}")
 
-    with training_bars() as (show_layer, show_round):
+    with display() as (show_layer, show_round):
         def on_layer(item: LayerProgress) -> None:
             if progress_id is not None:
                 report(update_progress_artifact, progress_id, 100.0 * item.layer / plan.config.layers)
