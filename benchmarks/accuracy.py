@@ -120,11 +120,14 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
     """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed."""
     rows = []
     inputs = []  # per seed: (dataset, partition, plain PyG data)
+    loaded: dict[str, tuple[Any, ...]] = {}  # by dataset fingerprint: seeds that share a split load it once
     for seed in range(seeds):
         dataset = (ingest(store, graph, datasets, seed) if datasets is not None
                    else ingest_planetoid(store, REPO / "data" / "cora", "cora"))
-        partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
-        inputs.append((dataset, partition, load_plain(dataset)))
+        if dataset.fp not in loaded:
+            partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+            loaded[dataset.fp] = (dataset, partition, load_plain(dataset))
+        inputs.append(loaded[dataset.fp])
     metric = "ROC-AUC" if inputs[0][0].num_classes == 2 else "accuracy"
     for model in models:
         for variant in variants:

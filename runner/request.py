@@ -22,7 +22,6 @@ from graphstore.partition.methods import PartitionOptions
 from graphstore.partition.site import build_site_partition
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import Strategy, TrainConfig
-from retexo_core.strategies.registry import spec
 from runner.plan import RunPlan, plan_run, plan_site_run, resolve_warm_start
 
 log = logging.getLogger("retexo.runner")
@@ -91,7 +90,7 @@ def prepare_run(request: RunRequest, partitions: PartitionSource = "build", node
         partition = build_site_partition(store, dataset)
         return plan_site_run(store, dataset, partition, config, request.network, request.site.rank, request.site.world)
     partition = None
-    if not spec(config.strategy).whole_graph:
+    if not config.strategy_spec.whole_graph:
         if partitions == "stored":
             partition = stored_partition(store, dataset, request.partition)
         elif waits:
