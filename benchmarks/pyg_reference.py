@@ -117,7 +117,7 @@ def plain_convs(model: Model, in_dim: int, hidden: int, classes: int, heads: int
 def score(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> float:
     """Accuracy, or the ROC-AUC of the class-1 probability for two classes. ``logits``: (n, C)."""
     if num_classes == 2:
-        return roc_auc(torch.softmax(logits, dim=1)[:, 1].double().numpy(), y.numpy())
+        return roc_auc(torch.softmax(logits, dim=1)[:, 1].double().cpu().numpy(), y.cpu().numpy())
     return float((logits.argmax(1) == y).float().mean())
 
 
@@ -136,9 +136,10 @@ class PlainRun:
 
 
 def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecipe, seed: int = 0, heads: int = 4,
-                initial: list[dict[str, torch.Tensor]] | None = None) -> PlainRun:
-    """Train one plain PyG model full batch with ``recipe``; ``initial``: each conv's state dict to
-    start from (PyG's own initialisation from ``seed`` otherwise)."""
+                initial: list[dict[str, torch.Tensor]] | None = None, device: str = "cpu") -> PlainRun:
+    """Train one plain PyG model full batch with ``recipe`` on ``device`` (as PyG's examples: the
+    model and the whole graph moved there); ``initial``: each conv's state dict to start from
+    (PyG's own initialisation from ``seed`` otherwise)."""
     import torch_geometric.transforms as T
     from torch_geometric.data import Data
     from torch_geometric.utils import to_torch_csr_tensor
@@ -148,11 +149,13 @@ def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecip
     convs = plain_convs(model, x.shape[1], hidden, graph.num_classes, heads, recipe.attention_dropout)
     for conv, state in zip(convs, initial or []):
         conv.load_state_dict(state)
+    convs, x = convs.to(device), x.to(device)
     activation = F.elu if recipe.activation == "elu" else F.relu
     # GCN and SAGE propagate with a sparse adjacency (adj_t[target, source], as PyG's large-graph
     # examples after T.ToSparseTensor): the same sums as with edge_index, 5-10x faster on one core
     edges = graph.edge_index if model == "gat" else to_torch_csr_tensor(graph.edge_index.flip(0),
                                                                          size=(len(graph.y), len(graph.y)))
+    edges = edges.to(device)
 
     def forward() -> torch.Tensor:
         h = x
@@ -168,7 +171,7 @@ def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecip
         {"params": [p for p in convs.parameters() if id(p) in chosen], "weight_decay": recipe.weight_decay},
         {"params": [p for p in convs.parameters() if id(p) not in chosen], "weight_decay": 0.0},
     ], lr=recipe.lr)
-    y, masks = graph.y, graph.masks
+    y, masks = graph.y.to(device), {split: mask.to(device) for split, mask in graph.masks.items()}
     run = PlainRun(best_val=-float("inf"), test_at_best=float("nan"), best_epoch=-1, seconds=0.0)
     started = time.perf_counter()
     for epoch in range(recipe.epochs):
@@ -193,12 +196,16 @@ def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecip
 
 
 def pyg_reference(graph: PlainGraph, model: Model = "gcn", hidden: int = 256, epochs: int = 200, seed: int = 0,
-                  heads: int = 4) -> dict[str, float]:
-    """PyG's example recipe for ``model`` on ``graph``; returns wall / train seconds, rounds and the
-    val and test metric (accuracy, or ROC-AUC for two classes) of the best validation epoch."""
-    run = train_plain(graph, model, hidden, example_recipe(graph, model, epochs), seed, heads)
+                  heads: int = 4, device: str = "cpu") -> dict[str, float | None]:
+    """PyG's example recipe for ``model`` on ``graph`` on ``device``; returns wall / train seconds,
+    rounds, the val and test metric (accuracy, or ROC-AUC for two classes) of the best validation
+    epoch and, on a GPU, the peak memory it allocated (GB)."""
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats(device)
+    run = train_plain(graph, model, hidden, example_recipe(graph, model, epochs), seed, heads, device=device)
+    gpu_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device != "cpu" else None
     return {"wall_s": run.seconds, "train_s": run.seconds, "rounds": epochs, "val_acc": run.best_val,
-            "test_acc": run.test_at_best}
+            "test_acc": run.test_at_best, "gpu_gb": gpu_gb}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ and their ratio. ``--out`` keeps the measurements as JSON; ``--tables FILE --sto
 tables again from them, with the estimates of the current code (the store must be the one measured).
 
     .venv/bin/python benchmarks/scale.py [--sizes 100000,300000,1000000] [--parts 8] [--store DIR] [--out FILE]
+        [--device auto|cpu|cuda] [--skip-references]
     .venv/bin/python benchmarks/scale.py --tables FILE --store DIR
 """
 
@@ -63,7 +64,7 @@ def layer_phases(run: Path, measured: Measured, started_at: float, model: str) -
     return phases
 
 
-def measure_size(store: Path, nodes: int, parts: int, models: list[str]) -> dict:
+def measure_size(store: Path, nodes: int, parts: int, models: list[str], device: str = "auto") -> dict:
     import time
 
     name = f"sbm{nodes // 1000}k"
@@ -74,7 +75,7 @@ def measure_size(store: Path, nodes: int, parts: int, models: list[str]) -> dict
     rows.append(("partition", partition.seconds, partition.peak_tree_bytes, partition.peak_process_bytes))
     for model in models:
         started_at = time.time()
-        train = retexo(store, "train", name, "--parts", str(parts), "--model", model)
+        train = retexo(store, "train", name, "--parts", str(parts), "--model", model, "--device", device)
         run = newest_run(store)
         rows.append((f"train {model} (command)", train.seconds, train.peak_tree_bytes, train.peak_process_bytes))
         rows += layer_phases(run, train, started_at, model)
@@ -132,6 +133,8 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None)
     parser.add_argument("--models", default="gcn,sage", help="retexo models trained at every size")
     parser.add_argument("--reference-epochs", type=int, default=20, help="epochs of the standard reference")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the trainings run")
+    parser.add_argument("--skip-references", action="store_true", help="no standard / layer-wise reference runs")
     parser.add_argument("--out", type=Path, help="also write the measurements as JSON here")
     parser.add_argument("--tables", type=Path, help="only print the tables of an earlier --out file (with --store)")
     args = parser.parse_args()
@@ -145,10 +148,14 @@ def main() -> None:
     models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="retexo-scale-") as tmp:
         store = args.store or Path(tmp) / "store"
-        results = [measure_size(store, n, args.parts, models) for n in sizes]
+        results = [measure_size(store, n, args.parts, models, args.device) for n in sizes]
         small = results[0]["name"]
-        standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs", str(args.reference_epochs))
-        layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise")
+        standard = layerwise = None
+        if not args.skip_references:
+            device = ("--device", args.device)
+            standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs",
+                                 str(args.reference_epochs), *device)
+            layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise", *device)
         measured = {"parts": args.parts, "models": models, "results": results, "standard": standard,
                     "layerwise": layerwise}
         if args.out:
@@ -183,12 +190,22 @@ def print_tables(measured: dict, store: Path) -> None:
         print(f"| {r['name']} | {model} | {m['test_acc']:.4f} | {m['total_bytes'] / 1e6:,.1f} | "
               + " | ".join(f"{m['bytes_by_kind'].get(k, 0) / 1e6:,.1f}" for k in KINDS)
               + f" | {m['wall_s'] / rounds:.3f} |")
+    if standard is None or layerwise is None:
+        print("\n(no reference runs: --skip-references)")
+    else:
+        print_references(small, standard, layerwise)
+    print_growth(results, models)
+
+
+def print_references(small: str, standard: dict, layerwise: dict) -> None:
     s = standard["manifest"]
     print(f"\nreference on {small}: standard, {s['config']['epochs']} epochs: {s['wall_s'] / s['config']['epochs']:.3f} s per "
           f"epoch inside the workers, {s['total_bytes'] / 1e6:,.1f} MB in total "
           f"({s['total_bytes'] / s['config']['epochs'] / 1e6:,.1f} MB per epoch), test acc {s['test_acc']:.4f}")
     print(f"reference on {small}: centralized layer-wise test acc {layerwise['manifest']['test_acc']:.4f}")
 
+
+def print_growth(results: list[dict], models: list[str]) -> None:
     edges = [r["edges"] for r in results]
     print("\ngrowth exponents against edges (1.0 = linear):")
     for stage in ("ingest", "partition", *(f"train {model} (command)" for model in models)):

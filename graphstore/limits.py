@@ -35,6 +35,7 @@ ROW_COPIES = 8  # rows per owned node of a layer's widest row (inputs, aggregate
 ACTIVATION_COPIES = 2  # end to end, per further layer: the hidden rows and their gradient
 EDGE_BYTES = 64  # a local edge: its ids as read, the CSR adjacency (int64 column, float32 weight) and its transpose
 ADAM_COPIES = 4  # a parameter, its gradient and Adam's two moments
+CUDA_CONTEXT = 600 * 2**20  # a rank's CUDA context, cuBLAS / cuSPARSE workspaces and the caching allocator's slack
 
 
 class ResourceError(RetexoError):
@@ -67,13 +68,15 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.1f} PB"
 
 
-def check_memory(estimate: Estimate, force: bool = False, available: int | None = None) -> None:
-    """Refuse ``estimate`` when it exceeds the available memory (a warning instead with ``force``)."""
+def check_memory(estimate: Estimate, force: bool = False, available: int | None = None,
+                 where: str = "on this machine") -> None:
+    """Refuse ``estimate`` when it exceeds the available memory (a warning instead with ``force``);
+    ``where`` names that memory (a GPU's)."""
     available = available_memory() if available is None else available
     if estimate.bytes <= available:
         return
     message = (f"{estimate.what} needs about {human(estimate.bytes)} of memory, but {human(available)} is available "
-               f"on this machine")
+               f"{where}")
     if force:
         log.warning("%s; going on because of --force", message)
         return
@@ -106,35 +109,65 @@ def partition_estimate(nodes: int, edges: int, parts: int) -> Estimate:
                     "partition a smaller graph")
 
 
-def training_estimate(*, nodes: int, edges: int, features: int, feature_bytes: int, sparse: bool, hidden: int,
-                      layers: int, workers: int, halo_nodes: int, heads: int = 1, layerwise: bool = True) -> Estimate:
-    """Training on one machine with ``workers`` processes, each holding 1/workers of the graph.
+@dataclass(frozen=True)
+class TrainingSizes:
+    """What a training's memory depends on: the graph (``feature_bytes``: its decoded feature
+    matrix, N x F x 4 dense or its non-zeros x 8 sparse), the model and the ``workers`` that share
+    the graph, and the partition's halo rows in all (0 for the whole graph)."""
+
+    nodes: int
+    edges: int
+    features: int
+    feature_bytes: int
+    sparse: bool
+    hidden: int
+    layers: int
+    workers: int
+    halo_nodes: int
+    heads: int = 1
+    layerwise: bool = True
+
+    def worker_data(self) -> float:
+        """Bytes one worker holds of the graph and the model, wherever it computes (see
+        ``training_estimate``)."""
+        share = 1.0 / self.workers
+        owned = self.nodes * share * 1.1  # 10 % for imbalance between parts
+        halo = self.halo_nodes * share
+        width = max(self.feature_bytes / max(self.nodes, 1), self.hidden * 4)  # the widest row a layer holds
+        if self.layerwise:
+            rows = owned * ROW_COPIES * width + halo / max(self.workers - 1, 1) * width
+        else:
+            rows = (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES * max(self.layers - 1, 0))
+        graph = self.edges * share * 1.1 * (EDGE_BYTES + 4 * self.heads)
+        model = (self.features * self.hidden + max(self.layers - 1, 0) * self.hidden * self.hidden) * 4 * ADAM_COPIES
+        transpose = (self.features + 1) * 8 if self.sparse else 0
+        return rows + graph + model + transpose
+
+
+def training_estimate(sizes: TrainingSizes) -> Estimate:
+    """Training on one machine with ``sizes.workers`` processes, each holding 1/workers of the graph.
 
     Per worker: the process itself (``WORKER_BASE``); ``ROW_COPIES`` rows per owned node (10 % more
-    for imbalance) of the widest layer's row, ``max(input row, hidden x 4 B)`` (``feature_bytes``
-    is the dataset's decoded feature matrix: N x F x 4 dense, or its non-zeros x 8 sparse): a
-    layer's inputs, their aggregate, its outputs, their gradients and the rows written for the
-    next layer; the halo rows of that width, one peer's at a time under layer-wise training
-    (``halo_nodes / (workers - 1)``: they are aggregated as they arrive), all of them and every
-    layer's activations at once end to end; ``EDGE_BYTES`` per local edge (plus one float32
-    attention coefficient per GAT head); and the model, whose first layer is F x hidden,
-    ``ADAM_COPIES`` times. A sparse input also keeps its transpose's row pointer, (F + 1) int64.
-    The whole tree adds the launching command (``COMMAND_BASE``). Calibrated on
-    ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and SAGE; see docs/scale.md).
+    for imbalance) of the widest layer's row, ``max(input row, hidden x 4 B)``: a layer's inputs,
+    their aggregate, its outputs, their gradients and the rows written for the next layer; the halo
+    rows of that width, one peer's at a time under layer-wise training (``halo_nodes / (workers -
+    1)``: they are aggregated as they arrive), all of them and every layer's activations at once
+    end to end; ``EDGE_BYTES`` per local edge (plus one float32 attention coefficient per GAT head);
+    and the model, whose first layer is F x hidden, ``ADAM_COPIES`` times. A sparse input also keeps
+    its transpose's row pointer, (F + 1) int64. The whole tree adds the launching command
+    (``COMMAND_BASE``). Calibrated on ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and
+    SAGE; see docs/scale.md).
     """
-    share = 1.0 / workers
-    owned = nodes * share * 1.1  # 10 % for imbalance between parts
-    halo = halo_nodes * share
-    width = max(feature_bytes / max(nodes, 1), hidden * 4)  # bytes of the widest row a layer holds
-    if layerwise:
-        rows = owned * ROW_COPIES * width + halo / max(workers - 1, 1) * width
-    else:
-        rows = (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES * max(layers - 1, 0))
-    graph = edges * share * 1.1 * (EDGE_BYTES + 4 * heads)
-    model = (features * hidden + max(layers - 1, 0) * hidden * hidden) * 4 * ADAM_COPIES
-    transpose = (features + 1) * 8 if sparse else 0
-    per_worker = WORKER_BASE + rows + graph + model + transpose
+    per_worker = WORKER_BASE + sizes.worker_data()
     return Estimate(
-        f"training with {workers} worker process(es) ({features:,} input features, hidden {hidden}) "
-        f"on {nodes:,} nodes", int(per_worker * workers + COMMAND_BASE),
+        f"training with {sizes.workers} worker process(es) ({sizes.features:,} input features, hidden "
+        f"{sizes.hidden}) on {sizes.nodes:,} nodes", int(per_worker * sizes.workers + COMMAND_BASE),
         "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features")
+
+
+def gpu_estimate(sizes: TrainingSizes, gpu: str, ranks: int) -> Estimate:
+    """The GPU memory of ``ranks`` training workers that share the GPU ``gpu``: each holds its data
+    there as it would in host memory, plus ``CUDA_CONTEXT``."""
+    needed = ranks * (CUDA_CONTEXT + sizes.worker_data())
+    return Estimate(f"training {ranks} rank(s) on {gpu}", int(needed),
+                    "use --batch-size, more parts (--parts, or more machines), or --device cpu")

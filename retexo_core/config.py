@@ -132,6 +132,11 @@ class TrainConfig(BaseModel):
         None, "Start every layer from the parameters of this earlier completed run (fingerprint or unique prefix; "
         "same model, layers, hidden size, features and classes). With patience, fewer rounds are trained.",
         scope="layer", strategies=WARM_STARTABLE)
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "Where each rank computes: cpu, cuda (the machine's GPUs, ranks spread over them round robin; several "
+        "ranks may share one) or auto (cuda when torch sees a GPU, else cpu). Not part of any fingerprint: the bytes "
+        "sent are the same and the results agree within float tolerance, so a run trained on one device is "
+        "reused on the other.", scope="none")
     force: bool = option(False, "Start even when the memory estimate exceeds the memory available now.",
                          scope="none")
     timeout_s: float = option(300.0, "Seconds a rank may wait for its peers in one collective (or for the "

@@ -13,6 +13,7 @@ changed after it was written is a ``StoreError`` naming it, never silently train
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,14 @@ class PartData:
     def num_halo(self) -> int:
         return len(self.halo_id)
 
+    def to(self, device: torch.device) -> "PartData":
+        """This partition with its features, labels and masks on ``device`` (ids, halo lists and
+        edge positions stay NumPy arrays: they set up plans and graphs, on the CPU)."""
+        if self.y.device == device:
+            return self
+        return dataclasses.replace(self, x=self.x.to(device), y=self.y.to(device),
+                                   masks={name: mask.to(device) for name, mask in self.masks.items()})
+
     def halo_block(self, owner: int) -> slice:
         """Positions (within the halo, 0-based) of the halo nodes owned by ``owner``."""
         lo, hi = np.searchsorted(self.halo_owner, [owner, owner + 1])
@@ -121,7 +130,7 @@ def normalize_rows(x: torch.Tensor | SparseMatrix) -> torch.Tensor | SparseMatri
     """Each row divided by its sum (rows summing to 0 unchanged): bag-of-words counts become term
     frequencies, so that long and short documents weigh alike (Kipf & Welling's preprocessing)."""
     if isinstance(x, SparseMatrix):
-        sums = torch.zeros(x.shape[0], dtype=x.val.dtype).index_add_(0, x.row_index(), x.val)
+        sums = torch.zeros(x.shape[0], dtype=x.val.dtype, device=x.device).index_add_(0, x.row_index(), x.val)
         sums[sums == 0] = 1
         return x.with_values(x.val / sums[x.row_index()])
     sums = x.sum(dim=1, keepdim=True)

@@ -11,6 +11,7 @@ import torch
 
 from retexo_core.comm.communicator import Communicator
 from retexo_core.comm.sparse_codec import decode_rows, encode_rows
+from retexo_core.device import CPU
 from retexo_core.halo import HaloPlan
 from retexo_core.models import Features
 from retexo_core.sparse import SparseMatrix
@@ -59,21 +60,23 @@ def exchange_rows(comm: Communicator, plan: ExchangePlan, owned: Features, kind:
     """Send planned rows of ``owned`` (n, d); return (h, d) halo rows (zeros where nothing arrives)."""
     if isinstance(owned, SparseMatrix):
         return exchange_sparse_rows(comm, plan, owned, kind)
-    send = [owned[torch.from_numpy(idx)] for idx in plan.send_index]
+    send = [owned[torch.from_numpy(idx).to(owned.device)] for idx in plan.send_index]
     shapes = [(len(idx), owned.shape[1]) for idx in plan.recv_index]
     got = comm.exchange(send, shapes, owned.dtype, kind)
     halo = owned.new_zeros((plan.num_halo, owned.shape[1]))
     for j, idx in enumerate(plan.recv_index):
         if j != comm.rank and len(idx):
-            halo[torch.from_numpy(idx)] = got[j]
+            halo[torch.from_numpy(idx).to(owned.device)] = got[j]
     return halo
 
 
 def exchange_sparse_rows(comm: Communicator, plan: ExchangePlan, owned: SparseMatrix, kind: str) -> SparseMatrix:
     """Sparse rows travel as (nnz per row, column ids, values) with the run's compression of values;
-    the payload sizes go first (``control``). Returns the (h, d) sparse halo rows."""
+    the payload sizes go first (``control``). Returns the (h, d) sparse halo rows, on ``owned``'s
+    device (they are encoded and decoded in host memory)."""
     codec = comm.codec(kind)
-    payloads = [encode_rows(owned.select_rows(torch.from_numpy(idx)), codec) if j != comm.rank
+    host = owned.to(CPU) if comm.world > 1 else owned
+    payloads = [encode_rows(host.select_rows(torch.from_numpy(idx)), codec) if j != comm.rank
                 else torch.empty(0, dtype=torch.uint8) for j, idx in enumerate(plan.send_index)]
     got = comm.exchange_bytes(payloads, kind)
     rows, cols, vals = [], [], []
@@ -86,30 +89,33 @@ def exchange_sparse_rows(comm: Communicator, plan: ExchangePlan, owned: SparseMa
         vals.append(block.val)
     if not rows:
         return SparseMatrix.from_coo(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32),
-                                     (plan.num_halo, owned.shape[1]))
-    return SparseMatrix.from_coo(torch.cat(rows), torch.cat(cols), torch.cat(vals), (plan.num_halo, owned.shape[1]))
+                                     (plan.num_halo, owned.shape[1])).to(owned.device)
+    return SparseMatrix.from_coo(torch.cat(rows), torch.cat(cols), torch.cat(vals),
+                                 (plan.num_halo, owned.shape[1])).to(owned.device)
 
 
 def stream_rows(comm: Communicator, plan: ExchangePlan, owned: Features, kind: str) -> Iterator[tuple[int, Features]]:
     """The planned rows of ``owned``, one peer at a time: in step s = 1..K-1 every rank sends its
     rows for rank + s and receives those of rank - s (one exchange each), and the step yields
-    (that peer, its (len(recv_index[peer]), d) rows). Only one peer's rows are in memory at once;
-    the bytes are those of ``exchange_rows`` (sparse rows: their size, 8 B, as control first)."""
+    (that peer, its (len(recv_index[peer]), d) rows, on ``owned``'s device). Only one peer's rows
+    are in memory at once; the bytes are those of ``exchange_rows`` (sparse rows: their size, 8 B,
+    as control first; encoded and decoded in host memory)."""
     world, rank = comm.world, comm.rank
+    host = owned.to(CPU) if isinstance(owned, SparseMatrix) else owned
 
     def only(value: object, j: int) -> list:
         return [value if k == j else None for k in range(world)]
 
     for step in range(1, world):
         dst, src = (rank + step) % world, (rank - step) % world
-        rows = torch.from_numpy(plan.send_index[dst])
+        rows = torch.from_numpy(plan.send_index[dst]).to(owned.device)
         expected = len(plan.recv_index[src])
         if isinstance(owned, SparseMatrix):
             codec = comm.codec(kind)
-            payload = encode_rows(owned.select_rows(rows), codec)
+            payload = encode_rows(host.select_rows(rows), codec)
             size = comm.exchange(only(torch.tensor([payload.numel()]), dst), only((1,), src), torch.int64, "control")
             got = comm.exchange(only(payload, dst), only((int(size[src][0]),), src), torch.uint8, kind)
-            yield src, decode_rows(got[src], expected, owned.shape[1], codec)
+            yield src, decode_rows(got[src], expected, owned.shape[1], codec).to(owned.device)
         else:
             got = comm.exchange(only(owned[rows], dst), only((expected, owned.shape[1]), src), owned.dtype, kind)
             yield src, got[src]
@@ -138,11 +144,11 @@ class HaloExchange(torch.autograd.Function):
     def backward(ctx, grad_halo: torch.Tensor):  # type: ignore[override]
         comm, plan = ctx.comm, ctx.plan
         comm.layer = ctx.layer
-        send = [grad_halo[torch.from_numpy(idx)] for idx in plan.recv_index]
+        send = [grad_halo[torch.from_numpy(idx).to(grad_halo.device)] for idx in plan.recv_index]
         shapes = [(len(idx), grad_halo.shape[1]) for idx in plan.send_index]
         got = comm.exchange(send, shapes, grad_halo.dtype, "halo_grads")
         grad_owned = grad_halo.new_zeros((ctx.num_owned, grad_halo.shape[1]))
         for j, idx in enumerate(plan.send_index):
             if j != comm.rank and len(idx):
-                grad_owned.index_add_(0, torch.from_numpy(idx), got[j])
+                grad_owned.index_add_(0, torch.from_numpy(idx).to(grad_owned.device), got[j])
         return grad_owned, None, None, None

@@ -90,6 +90,13 @@ class LocalGraph:
     model: ModelName
     targets: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> "LocalGraph":
+        """This graph on ``device`` (itself when it is there already)."""
+        if self.adj.device == device:
+            return self
+        targets = None if self.targets is None else self.targets.to(device)
+        return LocalGraph(self.adj.to(device), self.num_owned, self.model, targets)
+
     def restrict(self, rows: torch.Tensor) -> "LocalGraph":
         """The graph of the target rows ``rows`` only (their in-edges from the same sources)."""
         targets = rows if self.targets is None else self.targets[rows]

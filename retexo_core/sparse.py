@@ -1,4 +1,4 @@
-"""Sparse-matrix kernels for message passing as matrix products (torch.sparse CSR on CPU).
+"""Sparse-matrix kernels for message passing as matrix products (torch.sparse CSR, on the CPU or a GPU).
 
 A graph layer's aggregation is ``A @ X`` with a constant CSR matrix ``A`` (rows = target nodes,
 columns = source nodes) and dense node features ``X``. :class:`SparseMatrix` stores ``A`` together
@@ -7,7 +7,9 @@ transpose a CSR tensor, and :func:`spmm` is the autograd function tying both tog
 differentiates through the stored values, which is what attention (:func:`gat_aggregate`) and
 learned edge weights need.
 
-Randomness (dropout) is always drawn from an explicit ``torch.Generator``.
+A matrix lives on one device (``SparseMatrix.to``); every product, transpose and selection runs
+there (torch's CSR kernels: MKL / OpenMP on the CPU, cuSPARSE on CUDA). Randomness (dropout) is
+always drawn from an explicit ``torch.Generator`` of the data's device.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _as_tensor(values: np.ndarray | Tensor, dtype: torch.dtype) -> Tensor:
 
 def _crow_from_counts(counts: Tensor) -> Tensor:
     """(rows,) entries per row -> (rows + 1,) int64 CSR row pointer."""
-    crow = torch.zeros(counts.numel() + 1, dtype=_INDEX)
+    crow = torch.zeros(counts.numel() + 1, dtype=_INDEX, device=counts.device)
     torch.cumsum(counts, dim=0, out=crow[1:])
     return crow
 
@@ -52,7 +54,7 @@ def _crow_from_counts(counts: Tensor) -> Tensor:
 def _rows_of(crow: Tensor, nnz: int) -> Tensor:
     """(rows + 1,) row pointer -> (nnz,) int64 row of each stored entry."""
     rows = crow.numel() - 1
-    return torch.repeat_interleave(torch.arange(rows, dtype=_INDEX), crow.diff(), output_size=nnz)
+    return torch.repeat_interleave(torch.arange(rows, dtype=_INDEX, device=crow.device), crow.diff(), output_size=nnz)
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,9 +107,10 @@ class SparseMatrix:
         ``sum_duplicates=False``, rejected with ``ValueError``.
         """
         rows, cols = int(shape[0]), int(shape[1])
-        row_t = _as_tensor(row, _INDEX).reshape(-1)
-        col_t = _as_tensor(col, _INDEX).reshape(-1)
-        val_t = torch.ones(row_t.numel()) if val is None else _as_tensor(val, torch.float32).reshape(-1)
+        row_t = _as_tensor(row, _INDEX).reshape(-1)  # the matrix is built on the rows' device
+        col_t = _as_tensor(col, _INDEX).reshape(-1).to(row_t.device)
+        val_t = (torch.ones(row_t.numel(), device=row_t.device) if val is None
+                 else _as_tensor(val, torch.float32).reshape(-1).to(row_t.device))
         if not row_t.numel() == col_t.numel() == val_t.numel():
             raise ValueError(f"row, col, val lengths differ: {row_t.numel()}, {col_t.numel()}, {val_t.numel()}")
         if row_t.numel():
@@ -121,7 +124,7 @@ class SparseMatrix:
         if unique.numel() < key.numel():
             if not sum_duplicates:
                 raise ValueError("duplicate entries and sum_duplicates=False")
-            val_t = torch.zeros(unique.numel(), dtype=torch.float32).index_add_(0, inverse, val_t[order])
+            val_t = torch.zeros(unique.numel(), dtype=torch.float32, device=key.device).index_add_(0, inverse, val_t[order])
         else:
             val_t = val_t[order]
         row_t, col_t = unique // cols if cols else unique, unique % cols if cols else unique
@@ -155,6 +158,19 @@ class SparseMatrix:
         cells = self.shape[0] * self.shape[1]
         return self.nnz / cells if cells else 0.0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the matrix is stored (its products run there)."""
+        return self.crow.device
+
+    def to(self, device: torch.device | str) -> SparseMatrix:
+        """The matrix on ``device`` (itself when it is there already)."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        return SparseMatrix(*(t.to(device) for t in (self.crow, self.col, self.val)), self.shape,
+                            *(t.to(device) for t in (self.t_crow, self.t_col, self.t_perm)))
+
     def row_index(self) -> Tensor:
         """(nnz,) int64 row of each stored entry, in storage order."""
         return _rows_of(self.crow, self.nnz)
@@ -164,13 +180,14 @@ class SparseMatrix:
     def to_scipy(self) -> scipy.sparse.csr_matrix:
         """A float32 scipy CSR copy (values detached)."""
         return scipy.sparse.csr_matrix(
-            (self.val.detach().to(torch.float32).numpy().copy(), self.col.numpy().copy(), self.crow.numpy().copy()),
+            (self.val.detach().to("cpu", torch.float32).numpy().copy(), self.col.cpu().numpy().copy(),
+             self.crow.cpu().numpy().copy()),
             shape=self.shape,
         )
 
     def to_dense(self) -> Tensor:
         """(rows, cols) dense tensor in the values' dtype; differentiable w.r.t. the values."""
-        out = torch.zeros(self.shape, dtype=self.val.dtype)
+        out = torch.zeros(self.shape, dtype=self.val.dtype, device=self.device)
         return out.index_put((self.row_index(), self.col), self.val)
 
     def to_torch(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -188,13 +205,13 @@ class SparseMatrix:
     def t(self) -> SparseMatrix:
         """The transpose (cols x rows), reusing the stored structure; values stay differentiable."""
         inverse = torch.empty_like(self.t_perm)
-        inverse[self.t_perm] = torch.arange(self.nnz, dtype=_INDEX)
+        inverse[self.t_perm] = torch.arange(self.nnz, dtype=_INDEX, device=self.device)
         return SparseMatrix(self.t_crow, self.t_col, self.val[self.t_perm], (self.shape[1], self.shape[0]),
                             self.crow, self.col, inverse)
 
     def columns(self, start: int, stop: int) -> SparseMatrix:
         """Columns [start, stop) as a (rows, stop - start) matrix (through the stored transpose)."""
-        return self.t().select_rows(torch.arange(start, stop, dtype=_INDEX)).t()
+        return self.t().select_rows(torch.arange(start, stop, dtype=_INDEX, device=self.device)).t()
 
     def select_rows(self, index: Tensor) -> SparseMatrix:
         """Rows ``index`` (any order, repeats allowed) as a (len(index), cols) matrix.
@@ -202,7 +219,7 @@ class SparseMatrix:
         Values are gathered (differentiable); the transpose structure is rebuilt (O(k log k) for
         the k selected entries).
         """
-        index = index.to(_INDEX).reshape(-1)
+        index = index.to(self.device, _INDEX).reshape(-1)
         rows = self.shape[0]
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
             raise ValueError(f"row index out of range [0, {rows})")
@@ -212,7 +229,7 @@ class SparseMatrix:
         total = int(crow[-1])
         # position of every selected entry = start of its source row + offset within the row
         shift = torch.repeat_interleave(start - crow[:-1], counts, output_size=total)
-        pos = torch.arange(total, dtype=_INDEX) + shift
+        pos = torch.arange(total, dtype=_INDEX, device=self.device) + shift
         return _with_transpose(crow, self.col[pos], self.val[pos], (int(index.numel()), self.shape[1]))
 
 
@@ -237,9 +254,10 @@ def _with_transpose(crow: Tensor, col: Tensor, val: Tensor, shape: tuple[int, in
     rows, cols = shape
     nnz = int(col.numel())
     # entries are stored row-major, so a stable sort by column yields A^T's (col, row) order
-    t_perm = torch.sort(col, stable=True).indices if nnz else torch.zeros(0, dtype=_INDEX)
+    t_perm = torch.sort(col, stable=True).indices if nnz else torch.zeros(0, dtype=_INDEX, device=col.device)
     t_col = _rows_of(crow, nnz)[t_perm]
-    t_crow = _crow_from_counts(torch.bincount(col, minlength=cols) if nnz else torch.zeros(cols, dtype=_INDEX))
+    t_crow = _crow_from_counts(torch.bincount(col, minlength=cols) if nnz
+                               else torch.zeros(cols, dtype=_INDEX, device=col.device))
     return SparseMatrix(crow, col, val, (rows, cols), t_crow, t_col, t_perm)
 
 
@@ -285,9 +303,9 @@ def _sampled_dot(a: SparseMatrix, left: Tensor, right: Tensor) -> Tensor:
     works row by row and allocates nothing proportional to nnz * d.
     """
     if a.nnz == 0 or left.shape[1] == 0:
-        return torch.zeros(a.nnz, dtype=left.dtype)
+        return torch.zeros(a.nnz, dtype=left.dtype, device=left.device)
     # values of the sampling matrix must be finite zeros: beta * NaN would leak into the result
-    pattern = _csr_tensor(a.crow, a.col, torch.zeros(a.nnz, dtype=left.dtype), a.shape, left.dtype)
+    pattern = _csr_tensor(a.crow, a.col, torch.zeros(a.nnz, dtype=left.dtype, device=left.device), a.shape, left.dtype)
     return torch.sparse.sampled_addmm(pattern, left, right.t(), beta=0.0).values()
 
 
@@ -305,10 +323,11 @@ def spmm(a: SparseMatrix, x: Tensor) -> Tensor:
 
 
 def sparse_sparse(a: SparseMatrix, b: SparseMatrix) -> SparseMatrix:
-    """A @ B for two sparse matrices (via scipy, float32; values are not differentiated)."""
+    """A @ B for two sparse matrices (via scipy on the CPU, float32, the product back on B's device;
+    values are not differentiated). Used once per layer, on frozen inputs."""
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"cannot multiply {a.shape} by {b.shape}")
-    return SparseMatrix.from_scipy(a.to_scipy() @ b.to_scipy())
+    return SparseMatrix.from_scipy(a.to_scipy() @ b.to_scipy()).to(b.device)
 
 
 def matmul(x: Tensor | SparseMatrix, weight: Tensor) -> Tensor:
@@ -327,14 +346,15 @@ DROPOUT_LEVELS = 1 << 16  # p is applied in steps of 1/65536
 def _keep_scale(shape: torch.Size, p: float, generator: torch.Generator | None) -> Tensor:
     """(shape) float32: 0 where an element is dropped, 1 / (1 - p') where it is kept.
 
-    Random 16-bit integers, four per 64-bit draw from ``generator`` (uniform floats cost four to
-    ten times more on a CPU), compared with ``p' = round(p * 65536) / 65536``; the kept elements
+    Random 16-bit integers, four per 64-bit draw from ``generator``, on the generator's device
+    (uniform floats cost four to ten times more on a CPU), compared with ``p' = round(p * 65536) / 65536``; the kept elements
     are scaled by the exact 1 / (1 - p'), so the expectation is unchanged.
     """
     if generator is None:
         raise ValueError("dropout needs an explicit torch.Generator (the global RNG is never used)")
     numel = math.prod(shape)
-    draws = torch.randint(-(1 << 63), (1 << 63) - 1, ((numel + 3) // 4,), dtype=torch.int64, generator=generator)
+    draws = torch.randint(-(1 << 63), (1 << 63) - 1, ((numel + 3) // 4,), dtype=torch.int64, generator=generator,
+                          device=generator.device)
     levels = draws.view(torch.int16)[:numel].view(shape)  # uniform in [-32768, 32767]
     dropped = round(p * DROPOUT_LEVELS)
     keep = levels >= dropped - DROPOUT_LEVELS // 2
@@ -393,10 +413,10 @@ def gat_aggregate(adj: SparseMatrix, h: Tensor, a_src: Tensor, a_dst: Tensor,
                          f"got {tuple(a_src.shape)}, {tuple(a_dst.shape)}")
     row = adj.row_index()
     logits = F.leaky_relu(a_src.index_select(0, adj.col) + a_dst.index_select(0, row), negative_slope)  # (E, H)
-    peak = torch.zeros(n, heads, dtype=logits.dtype).scatter_reduce(
+    peak = torch.zeros(n, heads, dtype=logits.dtype, device=logits.device).scatter_reduce(
         0, row.unsqueeze(1).expand(-1, heads), logits.detach(), reduce="amax", include_self=False)
     weight = torch.exp(logits - peak.index_select(0, row))
-    total = torch.zeros(n, heads, dtype=logits.dtype).index_add(0, row, weight)
+    total = torch.zeros(n, heads, dtype=logits.dtype, device=logits.device).index_add(0, row, weight)
     # every row with an edge has total >= 1 (its peak contributes exp(0)); (H, E) so each head is contiguous
     alpha = (weight / total.index_select(0, row)).t().contiguous()
     # unbind (not indexing per head): its backward stacks the per-head gradients in one allocation

@@ -3,7 +3,8 @@
 Layer-wise strategies (retexo, centralized layer-wise) train layer after layer in the same process
 group: each layer's halo exchange, training, and its outputs written and committed before the next
 layer starts from those outputs in memory. End-to-end strategies train the whole model once and
-write every layer. The halo setup protocol runs once per launch.
+write every layer. The halo setup protocol runs once per launch. A rank computes on its device
+(``retexo_core.device``); what it writes is moved to host memory first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
+from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
 from retexo_core.halo import VIEWS
 from retexo_core.models import Features
 from retexo_core.results import LayerSummary, ResultSink
@@ -36,18 +38,19 @@ HISTORY_SCHEMA = pa.schema([
 
 
 def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers: list[int], sink: ResultSink,
-                 load_refresh: Callable[[int], PartData]) -> None:
-    """Train ``layers`` (consecutive; all of them for end-to-end strategies) as this rank.
+                 load_refresh: Callable[[int], PartData], device: torch.device = CPU) -> None:
+    """Train ``layers`` (consecutive; all of them for end-to-end strategies) as this rank, on ``device``.
 
     ``load_refresh(period)``: grappa's partition of refresh period 1, 2, ... for this rank.
     """
     comm.layer = layers[0] if config.is_layerwise else 0
     data = prepare_features(data, config)
-    ctx = isolated_context(comm, data, config) if config.strategy_spec.isolated else make_context(comm, data, config)
+    context = isolated_context if config.strategy_spec.isolated else make_context
+    ctx = context(comm, data, config, device)
     ctx.on_progress = lambda layer, done, total, val: sink.progress(layer, data.part, done, total, val,
                                                                     comm.log.total_bytes())
-    log.info("%s %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
-             config.strategy, config.model, data.num_owned, data.num_halo, len(data.src),
+    log.info("%s %s on %s: %d owned nodes, %d halo nodes, %d edges, %d train nodes of %d; layers %s",
+             config.strategy, config.model, device, data.num_owned, data.num_halo, len(data.src),
              ctx.local_train, ctx.train_count, layers)
     if config.is_layerwise:
         run_layerwise(ctx, layers, sink)
@@ -73,22 +76,22 @@ def own_inputs(ctx: WorkerContext, layer: int, sink: ResultSink) -> Views:
     if layer == 1:
         return dict.fromkeys(VIEWS, ctx.data.x)
     views = sink.previous_outputs(layer - 1, ctx.data.part, ctx.data.node_id)
-    full = torch.from_numpy(views["full"])
-    return {v: torch.from_numpy(views[v]) if v in views else full for v in VIEWS}
+    full = torch.from_numpy(views["full"]).to(ctx.device)
+    return {v: torch.from_numpy(views[v]).to(ctx.device) if v in views else full for v in VIEWS}
 
 
 def stored_views(ctx: WorkerContext, outputs: dict[str, torch.Tensor]) -> dict[str, object]:
-    """The views written for a layer: the full view, plus train / val when inductive."""
-    return {v: outputs[v].numpy() for v in (VIEWS if ctx.inductive else ("full",))}
+    """The views written for a layer (in host memory): the full view, plus train / val when inductive."""
+    return {v: outputs[v].cpu().numpy() for v in (VIEWS if ctx.inductive else ("full",))}
 
 
 def write_predictions(ctx: WorkerContext, logits: torch.Tensor, sink: ResultSink) -> None:
     """This rank's predictions from the last layer's full-view logits (n, C): class and max softmax."""
     probabilities = torch.softmax(logits.float(), dim=1)
-    score, predicted = probabilities.max(dim=1)
+    score, predicted = (t.cpu() for t in probabilities.max(dim=1))
     split = np.full(ctx.data.num_owned, "none", dtype=object)
     for name in SPLIT_NAMES:
-        split[ctx.data.masks[name].numpy()] = name
+        split[ctx.data.masks[name].cpu().numpy()] = name
     sink.write_predictions(ctx.data.part, ctx.data.node_id, predicted.numpy().astype(np.int64),
                            score.numpy().astype(np.float32), split)
 
@@ -104,7 +107,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
-        result = train_layer(ctx, layer, own, sink.initial_state(layer))
+        with layer_fits(ctx.device, layer, ctx.comm.world):
+            result = train_layer(ctx, layer, own, sink.initial_state(layer))
         evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
         if layer == cfg.layers:
             sink.gather_traffic(ctx.comm)
@@ -116,11 +120,11 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
                                recipe=result.recipe)
         if ctx.comm.rank == 0:
-            sink.commit_layer(summary, result.module.state_dict(), history_table(ctx, layer), evaluation)
+            sink.commit_layer(summary, host_state(result.module.state_dict()), history_table(ctx, layer), evaluation)
         elif sink.every_rank_commits:
             sink.commit_layer(summary, None, None, None)
-        log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far",
-                 layer, result.best_round, result.best_val, ctx.comm.log.total_bytes())
+        log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far%s",
+                 layer, result.best_round, result.best_val, ctx.comm.log.total_bytes(), peak_memory_note(ctx.device))
         own = result.outputs  # type: ignore[assignment]
 
 
@@ -157,7 +161,8 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
                    load_refresh: Callable[[int], PartData]) -> None:
     part, cfg = ctx.data.part, ctx.config
     started = time.perf_counter()
-    ctx, result, recipe = train_candidates(ctx, sink, load_refresh)
+    with layer_fits(ctx.device, 0, ctx.comm.world):
+        ctx, result, recipe = train_candidates(ctx, sink, load_refresh)
     evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
     sink.gather_traffic(ctx.comm)
     rows, _ = new_log_rows(ctx, 0)
@@ -171,10 +176,12 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     if not coordinator and not sink.every_rank_commits:
         return
     seconds = time.perf_counter() - started
+    log.info("model done: best epoch %d, val acc %.4f, %d bytes sent by this rank%s", result.best_round,
+             result.best_val, ctx.comm.log.total_bytes(), peak_memory_note(ctx.device))
     dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
     for layer in layers:
         last = layer == layers[-1] and coordinator
         summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped,
                                recipe)
-        sink.commit_layer(summary, result.blocks[layer - 1].state_dict() if coordinator else None,
+        sink.commit_layer(summary, host_state(result.blocks[layer - 1].state_dict()) if coordinator else None,
                           history_table(ctx, None) if last else None, evaluation if last else None)

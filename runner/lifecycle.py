@@ -48,7 +48,8 @@ from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
                            run_workers)
 from runner.plan import RunPlan, layer_state
-from runner.preview import memory_for
+from runner.gpus import Gpu, training_gpus
+from runner.preview import gpu_memory_for, memory_for
 from runner.results import RoundProgress, StageSpec, clear_progress, read_progress
 from runner.worker import WorkerJob
 
@@ -270,15 +271,19 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     process is killed (SIGKILL included), its guard (``runner.descendant_guard.guard_run``) records
     ``interrupted`` and removes the run's temp folders once the workers are gone.
     """
+    gpus = training_gpus(plan.config.device)  # --device cuda without a GPU: one line, before anything
     host = keeps_store(plan, launch)
     run_dir = plan.store.run_dir(plan.run_fp)
     if host and plan.site is None and intact_manifest(run_dir, RunManifest) is not None and all(layer_state(plan, l) == "done"
                                                                          for l in plan.layers):
         return read_manifest(run_dir, RunManifest), [LayerProgress(l, "cached", 0.0) for l in plan.layers]
-    local_ranks = len(node_ranks(plan.world, launch.nnodes, launch.node_rank))
+    ranks = node_ranks(plan.world, launch.nnodes, launch.node_rank)
+    local_ranks = len(ranks)
     if launch.launcher == "processes":
         check_worker_processes(local_ranks)
     check_memory(training_memory(plan, local_ranks), plan.config.force)
+    for estimate, gpu in training_gpu_memory(plan, ranks, gpus):
+        check_memory(estimate, plan.config.force, available=gpu.free, where=f"on GPU {gpu.index} now")
     if not host:
         return None, ensure_layers(plan, launch, on_layer, on_round)
     mark_abandoned(plan.store, plan.run_fp)  # left "started" by a launcher that is gone
@@ -302,5 +307,17 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
 def training_memory(plan: RunPlan, local_ranks: int) -> Estimate:
     """The memory estimate of this node's ``local_ranks`` workers, from the dataset's manifest, its
     features file's footer and the partition's halo size (nothing is loaded)."""
-    halo = 0 if plan.whole_graph else PartitionRef.at(Path(plan.source_dir)).halo_total
-    return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo, local_ranks)
+    return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo_total(plan), local_ranks)
+
+
+def training_gpu_memory(plan: RunPlan, ranks: list[int], gpus: list[Gpu]) -> list[tuple[Estimate, Gpu]]:
+    """The GPU memory estimate of each GPU that this node's ``ranks`` compute on (none on the CPU)."""
+    if not gpus:
+        return []
+    dataset = find_dataset(plan.store, plan.dataset_fp)
+    return gpu_memory_for(dataset, plan.config, plan.world, halo_total(plan), ranks, gpus)
+
+
+def halo_total(plan: RunPlan) -> int:
+    """Halo rows of the run's partition in all (0 for the whole graph)."""
+    return 0 if plan.whole_graph else PartitionRef.at(Path(plan.source_dir)).halo_total

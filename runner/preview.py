@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from graphstore.layout import Store
-from graphstore.limits import Estimate, available_memory, partition_estimate, training_estimate
+from graphstore.limits import (Estimate, TrainingSizes, available_memory, gpu_estimate, partition_estimate,
+                               training_estimate)
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_partition
 from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
+from runner.gpus import Gpu, ranks_per_gpu
 from runner.plan import RunPlan, layer_state
 from runner.request import RunRequest, prepare_run
 
@@ -45,18 +47,34 @@ def worst_case_halo(dataset: DatasetRef, parts: int) -> int:
     return min(dataset.num_edges, dataset.num_nodes * max(parts - 1, 0))
 
 
-def memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, local_ranks: int) -> Estimate:
-    """The training estimate of ``local_ranks`` of ``world`` workers over a partition whose halo
-    has ``halo_total`` rows (0 for the whole graph), from the dataset's manifest and its features
-    file's footer (nothing is loaded)."""
+def training_sizes(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int) -> TrainingSizes:
+    """What the memory of ``world`` workers over a partition whose halo has ``halo_total`` rows (0
+    for the whole graph) depends on, from the dataset's manifest and its features file's footer
+    (nothing is loaded)."""
     manifest = dataset.manifest
     features = decoded_feature_bytes(dataset.path / "features.parquet", manifest.feature_format,
                                      manifest.num_nodes, manifest.num_features)
-    return training_estimate(
+    return TrainingSizes(
         nodes=manifest.num_nodes, edges=manifest.num_edges, features=manifest.num_features, feature_bytes=features,
         sparse=manifest.feature_format == "sparse", hidden=config.hidden, layers=config.layers,
         workers=max(world, 1), halo_nodes=halo_total, heads=config.heads if config.model == "gat" else 1,
-        layerwise=config.is_layerwise).scaled(local_ranks / max(world, 1))
+        layerwise=config.is_layerwise)
+
+
+def memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, local_ranks: int) -> Estimate:
+    """The host memory estimate of ``local_ranks`` of ``world`` workers (see ``training_sizes``)."""
+    sizes = training_sizes(dataset, config, world, halo_total)
+    return training_estimate(sizes).scaled(local_ranks / max(world, 1))
+
+
+def gpu_memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, ranks: list[int],
+                   gpus: list[Gpu]) -> list[tuple[Estimate, Gpu]]:
+    """The GPU memory estimate of each of ``gpus`` that this machine's ``ranks`` compute on."""
+    if not gpus:
+        return []
+    sizes = training_sizes(dataset, config, world, halo_total)
+    return [(gpu_estimate(sizes, f"GPU {i} ({gpus[i].name})", count), gpus[i])
+            for i, count in sorted(ranks_per_gpu(ranks, len(gpus)).items())]
 
 
 def preview_training(store: Store, dataset: str, options: PartitionOptions, config: TrainConfig,

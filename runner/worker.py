@@ -275,9 +275,15 @@ def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous:
     """Train the launch's layers as rank ``rank`` and write the results through a ``RunFolder``."""
     from retexo_core.comm.communicator import Communicator
     from retexo_core.data import load_part
+    from retexo_core.device import compute_device
     from retexo_core.stages import train_stages
     from runner.results import RunFolder
 
+    device = compute_device(job.config.device, rank)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)  # this thread's current GPU (cuSPARSE handles, streams)
     comm = Communicator(rank, job.world, job.timeout, job.config.compress, job.network, transport,
                         skip_zero_grads=job.config.skip_zero_grads)
     comm.rendezvous = rendezvous
@@ -289,7 +295,7 @@ def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous:
     sink = RunFolder(job.store_root, job.run_fp, job.config, job.world, stages, job.network if job.site else None)
     refresh = [Path(d) for d in job.refresh_dirs]
     train_stages(comm, data, job.config, [s.layer for s in stages], sink,
-                 lambda period: load_part(refresh[period - 1], rank))
+                 lambda period: load_part(refresh[period - 1], rank), device)
 
 
 def install_open_audit(job: WorkerJob) -> list[str]:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import RETEXO, REPO, cli_env, flat, run_cli, snapshot, write_tables
-from graphstore.limits import (Estimate, ResourceError, check_memory, partition_estimate, synthetic_estimate,
-                               training_estimate)
+from graphstore.limits import (CUDA_CONTEXT, Estimate, ResourceError, TrainingSizes, check_memory, gpu_estimate,
+                               partition_estimate, synthetic_estimate, training_estimate)
 
 ADDRESS_SPACE_LIMIT = 3 * 2**30  # bytes: far below any refused request, enough for the CLI itself
 
@@ -135,8 +135,8 @@ def test_the_estimates_are_within_10_percent_below_and_30_above_the_measured_pea
     edges = 20 * nodes
     ratios = [synthetic_estimate(nodes, 20, 64, 100_000).bytes / ingest,
               partition_estimate(nodes, edges, 8).bytes / partition]
-    training = training_estimate(nodes=nodes, edges=edges, features=64, feature_bytes=nodes * 64 * 4, sparse=False,
-                                 hidden=256, layers=2, workers=8, halo_nodes=halo).bytes
+    training = training_estimate(TrainingSizes(nodes=nodes, edges=edges, features=64, feature_bytes=nodes * 64 * 4,
+                                               sparse=False, hidden=256, layers=2, workers=8, halo_nodes=halo)).bytes
     ratios += [training / peak for peak in trainings]
     assert all(0.9 <= r <= 1.3 for r in ratios), ratios
 
@@ -157,10 +157,13 @@ def test_estimates_grow_with_their_inputs() -> None:
     assert synthetic_estimate(1_000, 20, 64, 100_000).bytes > small
     base = dict(nodes=2708, edges=10556, features=1433, feature_bytes=2708 * 18 * 8, sparse=True, hidden=256,
                 layers=2, workers=4, halo_nodes=4616)
-    cora = training_estimate(**base).bytes
+    cora = training_estimate(TrainingSizes(**base)).bytes
     assert cora < 3 * 2**30  # Cora in 4 workers: 2.36 GB measured for the tree (0.51 GB its largest process)
-    assert training_estimate(**{**base, "hidden": 512}).bytes > cora
-    assert training_estimate(**{**base, "features": 100_000_001}).bytes > 100 * 2**30
+    assert training_estimate(TrainingSizes(**{**base, "hidden": 512})).bytes > cora
+    assert training_estimate(TrainingSizes(**{**base, "features": 100_000_001})).bytes > 100 * 2**30
+    on_gpu = gpu_estimate(TrainingSizes(**base), "NVIDIA H100", ranks=4)
+    assert on_gpu.what == "training 4 rank(s) on NVIDIA H100"
+    assert on_gpu.bytes == int(4 * (CUDA_CONTEXT + TrainingSizes(**base).worker_data()))
 
 
 # --------------------------------------------------------------------------- names, seeds, ids, parts

@@ -8,6 +8,10 @@ traffic is one, the all-reduce two (reduce-scatter, all-gather), so what is logg
 what is sent: ``2(K-1)/K * N`` bytes per worker for N bytes, as in a ring, with 2 sequential steps.
 Every send is logged once, by the sender, with kind, layer, epoch, src, dst, bytes and steps
 (hops). All waits have a timeout; a dead peer surfaces as an error naming the rank.
+
+Tensors may live on a GPU: payloads are encoded in host memory (the tensor is copied there
+first) and what arrives is decoded there and handed back on the device of the tensors sent, so a
+GPU run sends, and logs, exactly a CPU run's bytes over gloo.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes, 
 from retexo_core.comm.log import CommLog
 from retexo_core.comm.network import NetworkModel
 from retexo_core.comm.transport import GlooTransport, Transport
+from retexo_core.device import CPU, to_host
 
 COMPRESSIBLE = {"halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync"}
 
@@ -122,16 +127,18 @@ class Communicator:
         """All-to-all: ``send[j]`` goes to rank j; returns ``recv[j]`` from rank j (own slot empty).
 
         Receivers must know the shapes (``recv_shapes[j]``); all tensors share ``dtype``. Empty
-        tensors are not logged.
+        tensors are not logged. What arrives is on the device of the tensors sent (the CPU when
+        this rank sends none).
         """
         codec = self.codec(kind)
         op = self.log.new_op()
+        device = next((t.device for t in send if t is not None), CPU)
         if self.world == 1:
-            return [torch.empty(0, dtype=dtype)]
+            return [torch.empty(0, dtype=dtype, device=device)]
         payloads, sent = [], {}
         for j in range(self.world):
             tensor = send[j] if j != self.rank else None
-            payload = encode(tensor.to(dtype), codec) if tensor is not None else torch.empty(0, dtype=torch.uint8)
+            payload = encode(to_host(tensor).to(dtype), codec) if tensor is not None else torch.empty(0, dtype=torch.uint8)
             payloads.append(payload)
             if payload.numel():
                 sent[j] = payload.numel()
@@ -142,8 +149,8 @@ class Communicator:
         buffers = self._all_to_all(payloads, recv_sizes, kind)
         self._finish(op, kind, sent, hops=1)
         return [
-            decode(buffers[j], recv_shapes[j], dtype, codec) if recv_shapes[j] is not None and j != self.rank
-            else torch.empty(0, dtype=dtype)
+            (decode(buffers[j], recv_shapes[j], dtype, codec) if recv_shapes[j] is not None and j != self.rank
+             else torch.empty(0, dtype=dtype)).to(device)
             for j in range(self.world)
         ]
 
@@ -176,7 +183,8 @@ class Communicator:
             if j != self.rank and payload.dtype != torch.uint8:
                 raise ValueError(f"rank {self.log.rank}: exchange_bytes sends uint8 payloads, "
                                  f"got {payload.dtype} for rank {j}")
-        send = [p.reshape(-1) if j != self.rank else torch.empty(0, dtype=torch.uint8) for j, p in enumerate(payloads)]
+        send = [to_host(p).reshape(-1) if j != self.rank else torch.empty(0, dtype=torch.uint8)
+                for j, p in enumerate(payloads)]
         lengths = self.exchange_counts([int(p.numel()) for p in send])
         op = self.log.new_op()
         if self.world == 1:
@@ -195,7 +203,7 @@ class Communicator:
         j to every rank. Over all ranks that is 2(K-1)N bytes for N bytes, as a ring sends, in 2
         sequential steps instead of 2(K-1). The summed chunk is encoded once and every rank
         (its owner included) decodes that same payload, so replicas are bit-identical even when
-        compressed.
+        compressed. The sum is returned on ``tensor``'s device.
         """
         if self.skip_zero_grads and kind == "grad_sync" and self.codec(kind) == "none" and self.world > 1:
             return self.all_reduce_nonzero(tensor, kind)
@@ -203,7 +211,7 @@ class Communicator:
         if self.world == 1:
             return tensor.clone()
         codec, dtype = self.codec(kind), tensor.dtype
-        chunks = list(torch.tensor_split(tensor.detach().reshape(-1), self.world))
+        chunks = list(torch.tensor_split(to_host(tensor.detach()).reshape(-1), self.world))
         shapes = [tuple(c.shape) for c in chunks]
         nothing = torch.empty(0, dtype=torch.uint8)
         scatter = [encode(c, codec) if j != self.rank else nothing for j, c in enumerate(chunks)]
@@ -219,7 +227,7 @@ class Communicator:
         out = [decode(reduced if j == self.rank else gathered[j], shapes[j], dtype, codec) for j in range(self.world)]
         sent = {j: scatter[j].numel() + reduced.numel() for j in range(self.world) if j != self.rank}
         self._finish(op, kind, {j: b for j, b in sent.items() if b}, hops=2)
-        return torch.cat(out).reshape(tensor.shape)
+        return torch.cat(out).reshape(tensor.shape).to(tensor.device)
 
     def all_reduce_nonzero(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
         """``all_reduce`` (uncompressed) whose chunks travel as ``pack_nonzero`` payloads: a bitmap
@@ -230,7 +238,7 @@ class Communicator:
         training on bag-of-words features are zero for every feature that no train node of the
         rank has in its neighbourhood, so their chunks shrink."""
         dtype = tensor.dtype
-        chunks = list(torch.tensor_split(tensor.detach().reshape(-1), self.world))
+        chunks = list(torch.tensor_split(to_host(tensor.detach()).reshape(-1), self.world))
         nothing = torch.empty(0, dtype=torch.uint8)
         got = self.exchange_bytes([pack_nonzero(c) if j != self.rank else nothing for j, c in enumerate(chunks)], kind)
         mine = chunks[self.rank].numel()
@@ -241,7 +249,7 @@ class Communicator:
         gathered = self.exchange_bytes([reduced if j != self.rank else nothing for j in range(self.world)], kind)
         out = [total if j == self.rank else unpack_nonzero(gathered[j], chunks[j].numel(), dtype)
                for j in range(self.world)]
-        return torch.cat(out).reshape(tensor.shape)
+        return torch.cat(out).reshape(tensor.shape).to(tensor.device)
 
     def barrier(self) -> None:
         """Synchronise all ranks (a counted 8-byte control all-reduce)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import nn
 from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData
+from retexo_core.device import CPU
 from retexo_core.exchange import ExchangePlan, full_plan, view_plan
 from retexo_core.halo import VIEWS, HaloPlan, build_plan
 from retexo_core.metrics import accuracy, confusion, macro_f1, roc_auc
@@ -44,10 +46,19 @@ class WorkerContext:
     # (rounds trained before this training's first, rounds of all the layer's or run's recipe candidates;
     # 0: this training's own): the progress spans every candidate
     progress: tuple[int, int] = (0, 0)
+    device: torch.device = CPU  # where this rank computes: its data, graphs and modules are there
 
     def generator(self, offset: int = 0) -> torch.Generator:
-        """This rank's own random stream (dropout masks, batches), never the global RNG."""
-        return torch.Generator().manual_seed(self.config.seed * 1000 + offset + 7919 * (self.data.part + 1))
+        """This rank's own random stream (dropout masks, batches) on its device, never the global RNG."""
+        return torch.Generator(device=self.device).manual_seed(
+            self.config.seed * 1000 + offset + 7919 * (self.data.part + 1))
+
+    def on(self, device: torch.device) -> "WorkerContext":
+        """This context with its data and graphs on ``device`` (a graph shared by several views
+        moves once)."""
+        moved: dict[int, LocalGraph] = {}
+        graphs = {v: moved.setdefault(id(g), g.to(device)) for v, g in self.graphs.items()}
+        return dataclasses.replace(self, data=self.data.to(device), graphs=graphs, device=device)
 
     @property
     def train_rows(self) -> torch.Tensor:
@@ -82,8 +93,10 @@ class WorkerContext:
         return int(self.data.masks["train"].sum())
 
 
-def make_context(comm: Communicator, data: PartData, config: TrainConfig) -> WorkerContext:
-    """Run the halo setup protocol and the train-count all-reduce; build the views' graphs and plans."""
+def make_context(comm: Communicator, data: PartData, config: TrainConfig, device: torch.device = CPU) -> WorkerContext:
+    """Run the halo setup protocol and the train-count all-reduce; build the views' graphs and plans
+    (in host memory), then move the data and the graphs to ``device``."""
+    data = data.to(CPU)
     inductive = config.setting == "inductive"
     plan = build_plan(comm, data, inductive)
     train_count = int(comm.all_reduce(torch.tensor([float(data.masks["train"].sum())], dtype=torch.float64), "control")[0])
@@ -91,14 +104,15 @@ def make_context(comm: Communicator, data: PartData, config: TrainConfig) -> Wor
     full = local_graph(config.model, data.src, data.dst, plan.degree["full"], n, sources)
     if not inductive:
         every = full_plan(plan)
-        return WorkerContext(comm, data, config, plan, train_count, dict.fromkeys(VIEWS, full), dict.fromkeys(VIEWS, every))
+        return WorkerContext(comm, data, config, plan, train_count, dict.fromkeys(VIEWS, full),
+                             dict.fromkeys(VIEWS, every)).on(device)
     graphs, plans = {"full": full}, {"full": full_plan(plan)}
     for view in ("train", "val"):
         visible = plan.visible(view)
         graphs[view] = local_graph(config.model, data.src, data.dst, plan.degree[view], n, sources,
                                    visible[data.src] & visible[data.dst])
         plans[view] = view_plan(plan, n, view)
-    return WorkerContext(comm, data, config, plan, train_count, graphs, plans)
+    return WorkerContext(comm, data, config, plan, train_count, graphs, plans).on(device)
 
 
 def train_loss(ctx: WorkerContext, logits: torch.Tensor, global_mean: bool,
@@ -208,7 +222,7 @@ def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | N
             histogram = margin_histogram(logits[mask], y[mask])
     sent = torch.tensor(values, dtype=torch.float64)
     if histogram is not None:
-        sent = torch.cat([sent, histogram.flatten()])
+        sent = torch.cat([sent, histogram.flatten().cpu()])
     total = ctx.comm.all_reduce(sent, "control").numpy()
     stats = {}
     for k, name in enumerate(ctx.round_splits):
@@ -286,14 +300,14 @@ def final_evaluation(ctx: WorkerContext, outputs: dict[str, torch.Tensor]) -> li
     """
     data, comm = ctx.data, ctx.comm
     logits_of = {s: outputs[SPLIT_VIEW[s]] for s in SPLIT_NAMES}
-    matrices = torch.stack([confusion(logits_of[s], data.y, data.masks[s], data.num_classes) for s in SPLIT_NAMES])
+    matrices = torch.stack([confusion(logits_of[s], data.y, data.masks[s], data.num_classes) for s in SPLIT_NAMES]).cpu()
     matrices = comm.all_reduce(matrices, "control").numpy()
     aucs = {s: float("nan") for s in SPLIT_NAMES}
     if data.num_classes == 2 and not data.held_by_site:  # sites: no per-node score or label leaves them
         for s in SPLIT_NAMES:
             scores = torch.softmax(logits_of[s], dim=1)[:, 1].double()
             mask = data.masks[s] & (data.y >= 0)
-            local = torch.stack([scores[mask], data.y[mask].double()], dim=1)
+            local = torch.stack([scores[mask], data.y[mask].double()], dim=1).cpu()
             send = [local if j == 0 else local[:0] for j in range(comm.world)]
             got = comm.exchange_variable(send, "control")
             if comm.rank == 0:

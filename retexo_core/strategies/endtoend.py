@@ -84,18 +84,18 @@ def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
     dropped, and the rows that did arrive from peer j weighted by (rows requested from j) / (rows
     received from j), BNS-GCN's 1/rate (see ``LocalGraph.reweighted_sources``)."""
     n = ctx.data.num_owned
-    scale = torch.zeros(n + ctx.data.num_halo)
+    scale = torch.zeros(n + ctx.data.num_halo, device=ctx.device)
     scale[:n] = 1.0
     for requested, got in zip(ctx.plans["train"].recv_index, plan.recv_index):
         if len(got):
-            scale[n + torch.from_numpy(got)] = len(requested) / len(got)
+            scale[n + torch.from_numpy(got).to(ctx.device)] = len(requested) / len(got)
     return ctx.graphs["train"].reweighted_sources(scale)
 
 
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
     cfg = ctx.config
     return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads,
-                        cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm, skip=cfg.skip)
+                        cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm, skip=cfg.skip).to(ctx.device)
 
 
 def new_optimizer(cfg: TrainConfig, blocks: nn.ModuleList) -> torch.optim.Adam:

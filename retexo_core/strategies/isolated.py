@@ -42,6 +42,7 @@ from torch import nn
 from retexo_core.comm.communicator import Communicator, CommunicationError
 from retexo_core.config import TrainConfig
 from retexo_core.data import PartData
+from retexo_core.device import CPU
 from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.halo import VIEWS, VIEW_LEVEL, in_degree, node_levels
 from retexo_core.models import Features, LocalGraph, local_graph
@@ -61,8 +62,11 @@ T = TypeVar("T")
 log = logging.getLogger("retexo.train")
 
 
-def isolated_context(comm: Communicator, data: PartData, config: TrainConfig) -> WorkerContext:
-    """A context with only the partition's own edges (src owned) and no halo: no setup traffic."""
+def isolated_context(comm: Communicator, data: PartData, config: TrainConfig, device: torch.device = CPU
+                     ) -> WorkerContext:
+    """A context with only the partition's own edges (src owned) and no halo: no setup traffic.
+    The graphs are built in host memory, then the data and the graphs move to ``device``."""
+    data = data.to(CPU)
     n = data.num_owned
     own = data.src < n
     level = node_levels(data).numpy()
@@ -76,7 +80,7 @@ def isolated_context(comm: Communicator, data: PartData, config: TrainConfig) ->
     if config.setting == "transductive":
         graphs = dict.fromkeys(VIEWS, graphs["full"])
     local_train = int(data.masks["train"].sum())
-    return WorkerContext(comm, data, config, None, local_train, graphs, {})  # type: ignore[arg-type]
+    return WorkerContext(comm, data, config, None, local_train, graphs, {}).on(device)  # type: ignore[arg-type]
 
 
 def local_outputs(blocks: nn.ModuleList, x: Features, graph: LocalGraph,
@@ -177,11 +181,12 @@ def average_by_train_count(comm: Communicator, module: nn.Module, count: int) ->
     """Parameters <- sum_p n_p theta_p / sum_p n_p, in one all-reduce of (parameters, n_p), so the
     weights stay right whoever takes part (model_sync)."""
     with torch.no_grad():
-        flat = torch.cat([p.reshape(-1) for p in module.parameters()] + [torch.ones(1)]) * float(count)
+        params = list(module.parameters())
+        flat = torch.cat([p.reshape(-1) for p in params] + [torch.ones(1, device=params[0].device)]) * float(count)
         total = comm.all_reduce(flat, "model_sync")
         weight = float(total[-1])
         offset = 0
-        for p in module.parameters():
+        for p in params:
             p.copy_(total[offset:offset + p.numel()].reshape(p.shape) / max(weight, 1e-12))
             offset += p.numel()
 
@@ -193,7 +198,8 @@ def grappa_weights(ctx: WorkerContext) -> torch.Tensor:
     own = data.src < n
     global_degree = in_degree(n, data.src, data.dst)
     local_degree = in_degree(n, data.src[own], data.dst[own])
-    return torch.from_numpy(coverage_weights(local_degree, global_degree, ctx.config.grappa_shrinkage)).float()
+    weights = coverage_weights(local_degree, global_degree, ctx.config.grappa_shrinkage)
+    return torch.from_numpy(weights).float().to(ctx.device)
 
 
 def grappa_weights_and_total(ctx: WorkerContext) -> tuple[torch.Tensor, float]:
@@ -226,7 +232,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
         if epoch % cfg.grappa_refresh_every == 0:
             period = epoch // cfg.grappa_refresh_every
             if period > 0:
-                refreshed = isolated_context(comm, load_refresh(period), cfg)
+                refreshed = isolated_context(comm, load_refresh(period), cfg, ctx.device)
                 refreshed.history = ctx.history
                 ctx = refreshed
             weights, total = grappa_weights_and_total(ctx)
@@ -254,7 +260,7 @@ def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerC
             computed = {v: local_outputs(blocks, data.x, ctx.graphs[v]) for v in ctx.views}
         return ctx, {v: computed.get(v, computed["full"]) for v in VIEWS}
     comm.layer = 1
-    full = make_context(comm, data, ctx.config)
+    full = make_context(comm, data, ctx.config, ctx.device)
     x_local = stack_rows(data.x, exchange_rows(comm, full.plans["full"], data.x, "halo_features"))
     with torch.no_grad():
         computed = {v: forward(full, blocks, x_local, full.graphs[v], full.plans[v]) for v in full.views}

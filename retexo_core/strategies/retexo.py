@@ -79,7 +79,7 @@ def place_rows(rows: Features, positions: np.ndarray, size: int) -> Features:
     they fill the block in order."""
     if len(positions) == size and np.array_equal(positions, np.arange(size)):
         return rows
-    index = torch.from_numpy(positions)
+    index = torch.from_numpy(positions).to(rows.device)
     if isinstance(rows, SparseMatrix):
         return SparseMatrix.from_coo(index[rows.row_index()], rows.col, rows.val, (size, rows.shape[1]))
     placed = rows.new_zeros((size, rows.shape[1]))
@@ -90,7 +90,7 @@ def place_rows(rows: Features, positions: np.ndarray, size: int) -> Features:
 def add_aggregates(total: Features, part: Features) -> Features:
     """Sum of two partial aggregates (sparse while both are)."""
     if isinstance(total, SparseMatrix) and isinstance(part, SparseMatrix):
-        return SparseMatrix.from_scipy(total.to_scipy() + part.to_scipy())
+        return SparseMatrix.from_scipy(total.to_scipy() + part.to_scipy()).to(total.device)
     dense = [x.to_dense() if isinstance(x, SparseMatrix) else x for x in (total, part)]
     return dense[0] + dense[1]
 
@@ -148,20 +148,21 @@ def streamed_aggregates(ctx: WorkerContext, layer: int, own: Views, transforms: 
 
 
 def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
-    """Layer ``layer`` with identical initial parameters on every rank."""
+    """Layer ``layer`` with identical initial parameters on every rank (drawn on the CPU, then
+    moved to the rank's device)."""
     cfg = ctx.config
     _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.data.num_classes, cfg.layers)[layer - 1]
     with seeded(cfg.seed * 1000 + layer):
         block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm,
                       skip=cfg.skip)
-        return LayerWithHead(block, ctx.data.num_classes)
+        return LayerWithHead(block, ctx.data.num_classes).to(ctx.device)
 
 
-def chunks(total: int, size: int | None) -> list[torch.Tensor]:
-    """Positions 0..total-1 in consecutive chunks of ``size`` (one chunk when ``size`` is None)."""
+def chunks(total: int, size: int | None, device: torch.device) -> list[torch.Tensor]:
+    """Positions 0..total-1 on ``device`` in consecutive chunks of ``size`` (one chunk when ``size`` is None)."""
     if size is None or size >= total:
-        return [torch.arange(total)]
-    return list(torch.arange(total).split(size))
+        return [torch.arange(total, device=device)]
+    return list(torch.arange(total, device=device).split(size))
 
 
 class LayerInputs:
@@ -176,7 +177,7 @@ class LayerInputs:
 
     def __init__(self, ctx: WorkerContext, block: Block | None, *, aggregated: dict[str, Aggregated] | None = None,
                  inputs: Views | None = None, chunk: int | None = None):
-        self.block, self.chunk = block, chunk
+        self.block, self.chunk, self.device = block, chunk, ctx.device
         self.frozen = aggregated is not None
         self.train_rows, self.eval_rows = ctx.train_rows, ctx.eval_rows
         self.inputs, self.graphs = inputs, ctx.graphs
@@ -211,15 +212,16 @@ class LayerInputs:
     def val_outputs(self) -> torch.Tensor:
         """(e, d_out) block outputs of the evaluation rows (val view), in chunks."""
         if self.frozen:
-            return torch.cat([self.block.from_aggregated(self.val.rows(c)) for c in chunks(len(self.eval_rows), self.chunk)])
+            return torch.cat([self.block.from_aggregated(self.val.rows(c))
+                              for c in chunks(len(self.eval_rows), self.chunk, self.device)])
         graph = self.graphs["val"]
         return torch.cat([self.block(self.inputs["val"], graph.restrict(self.eval_rows[c]))
-                          for c in chunks(len(self.eval_rows), self.chunk)])
+                          for c in chunks(len(self.eval_rows), self.chunk, self.device)])
 
     def outputs(self, view: str) -> torch.Tensor:
         """(n, d_out) block outputs of every owned node in ``view``, in chunks."""
         graph = self.graphs[view]
-        parts = chunks(graph.num_owned, self.chunk)
+        parts = chunks(graph.num_owned, self.chunk, self.device)
         if self.frozen:
             if len(parts) == 1:
                 return self.block.from_aggregated(self.aggregated[view])
@@ -266,7 +268,7 @@ class BatchPlan:
         """[(batch positions among the train rows, or None for all of them; the step's divisor)]."""
         if self.steps == 1:
             return [(None, max(self.totals[0], 1))]
-        order = torch.randperm(self.local, generator=gen)
+        order = torch.randperm(self.local, generator=gen, device=gen.device)
         batches = list(order.split(self.batch_size))  # type: ignore[arg-type]
         batches += [order[:0]] * (self.steps - len(batches))
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
