@@ -1,5 +1,5 @@
 """Exchange plans over a halo (full, visible-only, BNS-sampled), the exchange of planned rows (dense,
-or sparse bag-of-words rows in a sparse encoding), and the differentiable halo exchange."""
+or sparse bag-of-words rows in a sparse encoding), and the differentiable halo exchange (``halo_rows``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from retexo_core.comm.communicator import Communicator
 from retexo_core.comm.sparse_codec import decode_rows, encode_rows
-from retexo_core.device import CPU
+from retexo_core.device import CPU, to_host
 from retexo_core.halo import HaloPlan
 from retexo_core.models import Features
 from retexo_core.sparse import SparseMatrix
@@ -61,12 +61,19 @@ def exchange_rows(comm: Communicator, plan: ExchangePlan, owned: Features, kind:
     if isinstance(owned, SparseMatrix):
         return exchange_sparse_rows(comm, plan, owned, kind)
     send = [owned[torch.from_numpy(idx).to(owned.device)] for idx in plan.send_index]
-    shapes = [(len(idx), owned.shape[1]) for idx in plan.recv_index]
-    got = comm.exchange(send, shapes, owned.dtype, kind)
-    halo = owned.new_zeros((plan.num_halo, owned.shape[1]))
+    return received_halo(comm, plan, send, owned.dtype, kind)
+
+
+def received_halo(comm: Communicator, plan: ExchangePlan, send: list[torch.Tensor], dtype: torch.dtype,
+                  kind: str) -> torch.Tensor:
+    """Send ``send[j]`` (the (m_j, d) rows rank j needs) to every rank; returns the (h, d) halo
+    rows, each peer's at its ``recv_index`` (zeros where nothing arrives), on the rows' device."""
+    width = send[0].shape[1]
+    got = comm.exchange(send, [(len(idx), width) for idx in plan.recv_index], dtype, kind)
+    halo = send[0].new_zeros((plan.num_halo, width))
     for j, idx in enumerate(plan.recv_index):
         if j != comm.rank and len(idx):
-            halo[torch.from_numpy(idx).to(owned.device)] = got[j]
+            halo[torch.from_numpy(idx).to(halo.device)] = got[j]
     return halo
 
 
@@ -130,25 +137,38 @@ def stack_rows(top: Features, bottom: Features) -> Features:
                                  torch.cat([top.val, bottom.val]), (top.shape[0] + bottom.shape[0], top.shape[1]))  # type: ignore[union-attr]
 
 
+def halo_rows(comm: Communicator, plan: ExchangePlan, owned: torch.Tensor, layer: int) -> torch.Tensor:
+    """(h, d) halo rows of the owned activations ``owned`` (n, d) (kind ``halo_embeddings``),
+    differentiable: in the backward pass the halo gradients go back to their owners, where
+    autograd sums them into ``owned``'s gradient (kind ``halo_grads``).
+
+    The rows sent are gathered on ``owned``'s device and the exchange itself (``HaloExchange``)
+    works on host tensors, as the communicator sends them anyway. So its backward runs in the
+    thread that called ``backward()``: autograd runs a GPU node on the device's own worker thread,
+    which ranks run as threads of one process share, and a collective there would wait for peers
+    queued behind it."""
+    index = torch.from_numpy(np.concatenate(plan.send_index)).to(owned.device)
+    return HaloExchange.apply(to_host(owned[index]), comm, plan, layer).to(owned.device)
+
+
 class HaloExchange(torch.autograd.Function):
-    """Forward: owned activations (n, d) -> halo activations (h, d) (kind ``halo_embeddings``).
-    Backward: the halo gradients go back to their owners and are summed (kind ``halo_grads``)."""
+    """Forward: the (sum of m_j, d) host rows the peers need, in peer order (``send_index``) ->
+    the (h, d) halo rows (kind ``halo_embeddings``). Backward: the halo gradients go back to their
+    owners (kind ``halo_grads``) and arrive as the gradient of the rows sent."""
 
     @staticmethod
-    def forward(ctx, owned: torch.Tensor, comm: Communicator, plan: ExchangePlan, layer: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.plan, ctx.num_owned, ctx.layer = comm, plan, owned.shape[0], layer
+    def forward(ctx, sent: torch.Tensor, comm: Communicator, plan: ExchangePlan, layer: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.plan, ctx.layer = comm, plan, layer
         comm.layer = layer
-        return exchange_rows(comm, plan, owned.detach(), "halo_embeddings")
+        send = list(torch.split(sent.detach(), [len(idx) for idx in plan.send_index]))
+        return received_halo(comm, plan, send, sent.dtype, "halo_embeddings")
 
     @staticmethod
     def backward(ctx, grad_halo: torch.Tensor):  # type: ignore[override]
         comm, plan = ctx.comm, ctx.plan
         comm.layer = ctx.layer
-        send = [grad_halo[torch.from_numpy(idx).to(grad_halo.device)] for idx in plan.recv_index]
+        send = [grad_halo[torch.from_numpy(idx)] for idx in plan.recv_index]
         shapes = [(len(idx), grad_halo.shape[1]) for idx in plan.send_index]
         got = comm.exchange(send, shapes, grad_halo.dtype, "halo_grads")
-        grad_owned = grad_halo.new_zeros((ctx.num_owned, grad_halo.shape[1]))
-        for j, idx in enumerate(plan.send_index):
-            if j != comm.rank and len(idx):
-                grad_owned.index_add_(0, torch.from_numpy(idx).to(grad_owned.device), got[j])
-        return grad_owned, None, None, None
+        grads = [got[j] if j != comm.rank else grad_halo.new_zeros(shape) for j, shape in enumerate(shapes)]
+        return torch.cat(grads), None, None, None

@@ -123,8 +123,9 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
             sink.commit_layer(summary, host_state(result.module.state_dict()), history_table(ctx, layer), evaluation)
         elif sink.every_rank_commits:
             sink.commit_layer(summary, None, None, None)
-        log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far%s",
-                 layer, result.best_round, result.best_val, ctx.comm.log.total_bytes(), peak_memory_note(ctx.device))
+        log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far, %d rounds in %.3f s%s",
+                 layer, result.best_round, result.best_val, ctx.comm.log.total_bytes(), result.loop_rounds,
+                 result.loop_seconds, peak_memory_note(ctx.device))
         own = result.outputs  # type: ignore[assignment]
 
 
@@ -137,6 +138,7 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
     search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
     total = search.size * ctx.config.epochs
     kept: tuple[WorkerContext, EndToEndResult] | None = None
+    epochs, seconds = 0, 0.0
     while (candidate := search.next()) is not None:
         transform = features_transform(ctx.config, candidate.knobs)
 
@@ -148,12 +150,15 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
                                    config=apply_knobs(ctx.config, 1, candidate.knobs, end_to_end=True),
                                    progress=(len(search.tried) * ctx.config.epochs, total))
         eval_ctx, result = mine.config.strategy_spec.load_trainer()(mine, sink, refresh)
+        epochs, seconds = epochs + result.epochs, seconds + result.loop_seconds
         if search.report(result.best_val):
             kept = (eval_ctx, result)
     assert kept is not None
     chosen = search.choice()
     if chosen:
         log.info("recipe chosen on validation: %s", chosen)
+    log.info("%d candidate(s): %d epochs in %.3f s (their epoch loops, validation included)", search.size, epochs,
+             seconds)
     return kept[0], kept[1], chosen
 
 

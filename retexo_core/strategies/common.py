@@ -48,9 +48,10 @@ class WorkerContext:
     progress: tuple[int, int] = (0, 0)
     device: torch.device = CPU  # where this rank computes: its data, graphs and modules are there
 
-    def generator(self, offset: int = 0) -> torch.Generator:
-        """This rank's own random stream (dropout masks, batches) on its device, never the global RNG."""
-        return torch.Generator(device=self.device).manual_seed(
+    def generator(self, offset: int = 0, device: torch.device | None = None) -> torch.Generator:
+        """This rank's own random stream (dropout masks, batches), never the global RNG; on its
+        device unless ``device`` says otherwise."""
+        return torch.Generator(device=device or self.device).manual_seed(
             self.config.seed * 1000 + offset + 7919 * (self.data.part + 1))
 
     def on(self, device: torch.device) -> "WorkerContext":
@@ -210,25 +211,21 @@ def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | N
     values = []
     y = ctx.data.y if rows is None else ctx.data.y[rows]
     binary = ctx.data.num_classes == 2
-    histogram = None
     for name in ctx.round_splits:
         mask = (ctx.data.masks[name] if rows is None else ctx.data.masks[name][rows]) & (y >= 0)
-        values += [
-            float(F.cross_entropy(logits[mask], y[mask], reduction="sum")) if mask.any() else 0.0,
-            float((logits[mask].argmax(1) == y[mask]).sum()),
-            float(mask.sum()),
-        ]
+        values += [F.cross_entropy(logits[mask], y[mask], reduction="sum"),  # 0 for an empty split
+                   (logits[mask].argmax(1) == y[mask]).sum(), mask.sum()]
         if binary and name == "val":
-            histogram = margin_histogram(logits[mask], y[mask])
-    sent = torch.tensor(values, dtype=torch.float64)
-    if histogram is not None:
-        sent = torch.cat([sent, histogram.flatten().cpu()])
-    total = ctx.comm.all_reduce(sent, "control").numpy()
+            histogram = margin_histogram(logits[mask], y[mask]).flatten()
+    sent = torch.stack([v.double() for v in values])
+    if binary:
+        sent = torch.cat([sent, histogram])
+    total = ctx.comm.all_reduce(sent.cpu(), "control").numpy()  # one copy from the device
     stats = {}
     for k, name in enumerate(ctx.round_splits):
         loss, correct, count = total[3 * k: 3 * k + 3]
         auc = float("nan")
-        if histogram is not None and name == "val":
+        if binary and name == "val":
             auc = histogram_auc(total[len(values):].reshape(2, AUC_BINS))
         stats[name] = SplitStats(loss / count, correct / count, auc) if count else SplitStats(float("nan"), float("nan"))
     return stats

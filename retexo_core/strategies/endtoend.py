@@ -18,6 +18,7 @@ centralized full-graph training.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from retexo_core.config import TrainConfig
 from retexo_core.data import PartData
-from retexo_core.exchange import ExchangePlan, HaloExchange, exchange_rows, sampled_plan, stack_rows
+from retexo_core.exchange import ExchangePlan, exchange_rows, halo_rows, sampled_plan, stack_rows
 from retexo_core.models import Features, LocalGraph, build_blocks
 from retexo_core.results import ResultSink
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
@@ -40,6 +41,7 @@ class EndToEndResult:
     best_round: int
     best_val: float
     epochs: int  # epochs trained (fewer than configured after early stopping)
+    loop_seconds: float = 0.0  # spent in the epoch loop (validation included)
 
 
 def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
@@ -52,7 +54,7 @@ def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph:
         out = block(h, graph, gen)
         outputs.append(out)
         if k < len(blocks) - 1:
-            h = torch.cat([out, HaloExchange.apply(out, ctx.comm, plans[k], k + 2)])
+            h = torch.cat([out, halo_rows(ctx.comm, plans[k], out, k + 2)])
     return outputs
 
 
@@ -120,6 +122,7 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
     optimizer = new_optimizer(cfg, blocks)
     best = BestState()
     trained = 0
+    started = time.perf_counter()
     for epoch in range(cfg.epochs):
         trained = epoch + 1
         comm.epoch = epoch
@@ -144,13 +147,14 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
                  lambda: forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1], best)
         if best.stale(epoch, cfg.patience):
             break
+    seconds = time.perf_counter() - started
     best.restore(blocks)
     blocks.eval()
     comm.epoch = -1
     with torch.no_grad():
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
     outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
-    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained)
+    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds)
 
 
 def train_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]

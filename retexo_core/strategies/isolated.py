@@ -152,7 +152,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
     optimizer = new_optimizer(cfg, blocks)
     mask, best = data.masks["train"], BestState()
     tolerant = Tolerant(ctx)
-    last_aggregation = time.monotonic()
+    started = last_aggregation = time.monotonic()
     comm.layer = 0
     for epoch in range(cfg.epochs):
         comm.epoch = epoch
@@ -174,7 +174,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best,
                  lambda logits: tolerant(lambda: split_stats(ctx, logits), lambda: None))
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
 
 
 def average_by_train_count(comm: Communicator, module: nn.Module, count: int) -> None:
@@ -227,6 +227,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
     optimizer = new_optimizer(cfg, blocks)
     best = BestState()
     comm.layer = 0
+    started = time.monotonic()
     for epoch in range(cfg.epochs):
         comm.epoch = epoch
         if epoch % cfg.grappa_refresh_every == 0:
@@ -246,7 +247,7 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best)
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
 
 
 def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerContext, dict[str, list[torch.Tensor]]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from retexo_core.config import TrainConfig
 from retexo_core.data import normalize_rows
+from retexo_core.device import CPU
 from retexo_core.exchange import exchange_rows, stack_rows, stream_rows
 from retexo_core.models import (
     AGGREGATED_DENSITY,
@@ -59,6 +61,8 @@ class LayerResult:
     best_val: float
     rounds: int  # rounds trained (fewer than configured after early stopping)
     recipe: dict[str, object]  # the candidate chosen on validation and every candidate's score (empty: no search)
+    loop_rounds: int = 0  # rounds every candidate trained, and the seconds they took (the round loops only,
+    loop_seconds: float = 0.0  # validation included; without the halo exchange, aggregation and outputs)
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -211,12 +215,13 @@ class LayerInputs:
 
     def val_outputs(self) -> torch.Tensor:
         """(e, d_out) block outputs of the evaluation rows (val view), in chunks."""
+        parts = chunks(len(self.eval_rows), self.chunk, self.device)
         if self.frozen:
-            return torch.cat([self.block.from_aggregated(self.val.rows(c))
-                              for c in chunks(len(self.eval_rows), self.chunk, self.device)])
+            if len(parts) == 1:
+                return self.block.from_aggregated(self.val)
+            return torch.cat([self.block.from_aggregated(self.val.rows(c)) for c in parts])
         graph = self.graphs["val"]
-        return torch.cat([self.block(self.inputs["val"], graph.restrict(self.eval_rows[c]))
-                          for c in chunks(len(self.eval_rows), self.chunk, self.device)])
+        return torch.cat([self.block(self.inputs["val"], graph.restrict(self.eval_rows[c])) for c in parts])
 
     def outputs(self, view: str) -> torch.Tensor:
         """(n, d_out) block outputs of every owned node in ``view``, in chunks."""
@@ -264,11 +269,12 @@ class BatchPlan:
         else:
             self.totals = [min(batch_size, local - s * batch_size) for s in range(self.steps)]  # type: ignore[operator]
 
-    def round(self, gen: torch.Generator) -> list[tuple[torch.Tensor | None, int]]:
-        """[(batch positions among the train rows, or None for all of them; the step's divisor)]."""
+    def round(self, gen: torch.Generator, device: torch.device) -> list[tuple[torch.Tensor | None, int]]:
+        """[(batch positions among the train rows on ``device``, or None for all of them; the
+        step's divisor)]; the order is drawn from ``gen``, wherever it is."""
         if self.steps == 1:
             return [(None, max(self.totals[0], 1))]
-        order = torch.randperm(self.local, generator=gen, device=gen.device)
+        order = torch.randperm(self.local, generator=gen, device=gen.device).to(device)
         batches = list(order.split(self.batch_size))  # type: ignore[arg-type]
         batches += [order[:0]] * (self.steps - len(batches))
         return [(batch, max(total, 1)) for batch, total in zip(batches, self.totals)]
@@ -291,6 +297,9 @@ class LayerFit:
         cfg = ctx.config
         self.ctx, self.layer, self.module, self.prepared = ctx, layer, module, prepared
         self.gen = ctx.generator(layer)  # per-rank dropout masks (the same stream for every candidate)
+        # batches: from the same stream on the CPU; from a host stream with the same seed on a GPU,
+        # so that a run without dropout takes the same batches on every device
+        self.batches = self.gen if self.gen.device.type == "cpu" else ctx.generator(layer, CPU)
         self.optimizer = adam(module, cfg.layer_lr(layer), cfg.weight_decay if cfg.decays_layer(layer) else 0.0)
         self.rounds = cfg.layer_rounds(layer)
         self.best = BestState()
@@ -298,6 +307,7 @@ class LayerFit:
         self.steps = BatchPlan(ctx, cfg.batch_size)
         self.trained = 0
         self.stopped = False  # early stopping ended it
+        self.seconds = 0.0  # spent in the round loop (validation included)
         self.history: list[dict[str, object]] = []  # its validation rows (ctx.history while it trains)
 
     def advance(self, until: int) -> None:
@@ -305,6 +315,7 @@ class LayerFit:
         comm, train_rows = ctx.comm, ctx.train_rows
         until = min(until, self.rounds)
         outer, ctx.history = ctx.history, self.history
+        started = time.perf_counter()
         try:
             for round_ in range(self.trained, until):
                 if self.stopped:
@@ -312,7 +323,7 @@ class LayerFit:
                 self.trained = round_ + 1
                 comm.epoch = round_
                 module.train()
-                for batch, divisor in self.steps.round(self.gen):
+                for batch, divisor in self.steps.round(self.batches, ctx.device):
                     self.optimizer.zero_grad()
                     logits = module.logits(prepared.train_outputs(self.gen, batch), self.gen)
                     labels = ctx.data.y[train_rows if batch is None else train_rows[batch]]
@@ -334,6 +345,7 @@ class LayerFit:
                 self.stopped = self.best.stale(round_, cfg.patience)
         finally:
             ctx.history = outer
+            self.seconds += time.perf_counter() - started
 
     def finish(self) -> BestState:
         self.advance(self.rounds)
@@ -362,8 +374,10 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
     spent = 0
     kept: LayerFit | None = None
+    fits = []
     while (candidate := search.next()) is not None:
         fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]])
+        fits.append(fit)
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
         spent += fit.trained
@@ -378,7 +392,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     with torch.no_grad():
         computed = {v: inputs.outputs(v) for v in ctx.views}
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       kept.trained, search.choice())
+                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits))
 
 
 def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
