@@ -17,10 +17,11 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from flows.console import err, human_bytes, out, print_table, progress_bars
+from flows.console import err, out, print_table, progress_bars
 from graphstore.catalog import refresh_catalog, refresh_if_moved
 from graphstore.sql_query import DEFAULT_TIMEOUT_S, open_query, query
 from graphstore.errors import RetexoError, describe_validation_error
+from graphstore.units import human_bytes
 from graphstore.ingest.api import ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat
 from graphstore.ingest.splits import SplitFractions

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from flows.cli import StoreOption, open_store
-from flows.console import err, human_bytes, out, print_table, training_bars
+from flows.console import err, out, print_table, training_bars
 from flows.options import OptionGroup, collect, with_options
 from graphstore.partition.methods import PartitionOptions
+from graphstore.units import human_bytes
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from retexo_core.recipe import KNOB_NAMES
