@@ -23,7 +23,7 @@ from graphstore.sql_query import DEFAULT_TIMEOUT_S, open_query, query
 from graphstore.errors import RetexoError, describe_validation_error
 from graphstore.units import human_bytes
 from graphstore.ingest.api import ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
-from graphstore.ingest.features import RequestedFormat
+from graphstore.ingest.features import REQUESTED_FORMAT_HELP, RequestedFormat
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions
@@ -37,6 +37,9 @@ from graphstore.partition.methods import PartitionOptions
 
 PARTITION_OPTIONS = OptionGroup("partition", PartitionOptions)
 SYNTHETIC_OPTIONS = OptionGroup("synthetic", SyntheticOptions)
+TABLE_OPTIONS = OptionGroup("tables", TableOptions, negatable=True)
+SPLIT_OPTIONS = OptionGroup("split", SplitFractions)
+SPLIT_FRACTIONS = OptionGroup("split", SplitFractions, fields=("train", "val"))  # the split seed: the generator's
 
 app = typer.Typer(
     help="Communication-efficient distributed GNN training: ingest, partition, train, inspect with SQL.",
@@ -53,15 +56,8 @@ StoreOption = Annotated[
     Optional[Path],
     typer.Option("--store", envvar=STORE_ENV, help="Store root directory (default ./retexo-store; env RETEXO_STORE)."),
 ]
-TrainFrac = Annotated[float, typer.Option(help="Fraction of each class's labelled nodes for training, when the source has no split.")]
-ValFrac = Annotated[float, typer.Option(help="Fraction for validation (the rest is test), when the source has no split.")]
-SplitSeed = Annotated[int, typer.Option(help="Seed of the stratified split.")]
 ForceOption = Annotated[bool, typer.Option("--force", help="Go on even when the memory estimate exceeds the memory available now.")]
-FeatureFormatOption = Annotated[
-    RequestedFormat,
-    typer.Option(help="How features are stored: sparse (column ids + values per row) or dense; auto keeps sparse "
-                      "sources (Planetoid, JSON) sparse and stores a dense table sparse at density <= 0.1."),
-]
+FeatureFormatOption = Annotated[RequestedFormat, typer.Option(help=REQUESTED_FORMAT_HELP)]
 
 
 OPENED_STORES: list[Path] = []  # the roots this command opened, named by an OS error without a file name
@@ -115,6 +111,7 @@ def ingest_planetoid_cmd(
 
 
 @ingest_app.command("npz")
+@with_options(SPLIT_OPTIONS)
 def ingest_npz_cmd(
     file: Annotated[Path, typer.Argument(help="An .npz graph (heterophilous-graphs or gnn-benchmark layout), or a .zip "
                                               "holding one .npz (read in memory, not extracted).")],
@@ -126,11 +123,9 @@ def ingest_npz_cmd(
                                              "edges as the file lists them.")] = True,
     feature_format: Annotated[RequestedFormat, typer.Option(help="How features are stored: sparse or dense; auto "
                                                                  "stores them sparse at density <= 0.1.")] = "auto",
-    train_frac: TrainFrac = 0.6,
-    val_frac: ValFrac = 0.2,
-    split_seed: SplitSeed = 0,
     force: ForceOption = False,
     store: StoreOption = None,
+    **options: Any,
 ) -> None:
     """Ingest an .npz graph (heterophilous-graphs or gnn-benchmark layout), or a .zip holding one.
 
@@ -139,8 +134,8 @@ def ingest_npz_cmd(
     in both directions unless --directed; feature values are kept as the file gives them. A file without split
     masks gets a stratified split."""
     st = open_store(store)
-    fractions = SplitFractions(train=train_frac, val=val_frac, seed=split_seed)
-    show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force))
+    fractions = collect(SPLIT_OPTIONS, options)
+    show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force))  # type: ignore[arg-type]
     refresh_catalog(st)
 
 
@@ -159,38 +154,27 @@ def ingest_ogb_cmd(
 
 
 @ingest_app.command("tables")
+@with_options(TABLE_OPTIONS, SPLIT_OPTIONS)
 def ingest_tables_cmd(
     edges: Annotated[Path, typer.Option(help="CSV or Parquet edge list.")],
     nodes: Annotated[Path, typer.Option(help="CSV or Parquet with node_id, label (-1 unknown), optional split.")],
     name: Annotated[str, typer.Option(help="Dataset name in the store.")],
     features: Annotated[Optional[Path], typer.Option(help="CSV/Parquet (node_id + f0..fN or one list column) or JSON {node id: [active feature ids]}.")] = None,
-    src_column: Annotated[str, typer.Option(help="Edge source column.")] = "src",
-    dst_column: Annotated[str, typer.Option(help="Edge target column.")] = "dst",
-    undirected: Annotated[bool, typer.Option(help="Add the reverse of every edge.")] = False,
-    num_classes: Annotated[Optional[int], typer.Option(help="Number of classes (default: largest label + 1).")] = None,
-    remote_sources: Annotated[bool, typer.Option(help="A site's own tables: edge sources may be node ids other sites hold (not in the nodes table); every edge must end at one of this site's nodes.")] = False,
-    feature_format: FeatureFormatOption = "auto",
-    train_frac: TrainFrac = 0.6,
-    val_frac: ValFrac = 0.2,
-    split_seed: SplitSeed = 0,
     force: ForceOption = False,
     store: StoreOption = None,
+    **options: Any,
 ) -> None:
     """Ingest your own graph from edge / node / feature tables (the format: docs/ingest.md)."""
     st = open_store(store)
-    options = TableOptions(src_column=src_column, dst_column=dst_column, undirected=undirected, num_classes=num_classes,
-                           feature_format=feature_format, remote_sources=remote_sources)
-    fractions = SplitFractions(train=train_frac, val=val_frac, seed=split_seed)
-    show_dataset(ingest_tables(st, name, edges, nodes, features, options, fractions, force))
+    tables, fractions = collect(TABLE_OPTIONS, options), collect(SPLIT_OPTIONS, options)
+    show_dataset(ingest_tables(st, name, edges, nodes, features, tables, fractions, force))  # type: ignore[arg-type]
     refresh_catalog(st)
 
 
 @ingest_app.command("synthetic")
-@with_options(SYNTHETIC_OPTIONS)
+@with_options(SYNTHETIC_OPTIONS, SPLIT_FRACTIONS)
 def ingest_synthetic_cmd(
     name: Annotated[str, typer.Option(help="Dataset name in the store.")],
-    train_frac: TrainFrac = 0.6,
-    val_frac: ValFrac = 0.2,
     force: ForceOption = False,
     store: StoreOption = None,
     **options: Any,
@@ -198,7 +182,7 @@ def ingest_synthetic_cmd(
     """Generate a stochastic block model with label-correlated features, streamed to Parquet."""
     st = open_store(store)
     synthetic = collect(SYNTHETIC_OPTIONS, options)
-    fractions = SplitFractions(train=train_frac, val=val_frac, seed=synthetic.seed)  # type: ignore[attr-defined]
+    fractions = collect(SPLIT_FRACTIONS, options, seed=synthetic.seed)  # type: ignore[attr-defined]
     with progress_bars() as progress:
         ref = ingest_synthetic(st, name, synthetic, fractions, progress, force)  # type: ignore[arg-type]
     show_dataset(ref)
