@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from retexo_core.comm.log import KINDS as TRAFFIC_KINDS  # noqa: E402
 
-RETEXO = [sys.executable, "-m", "flows.cli"]
+RETEXO = [sys.executable, "-m", "cli"]
 KINDS = tuple(k for k in TRAFFIC_KINDS if k not in ("halo_grads", "model_sync"))  # those of a layer-wise run
 
 

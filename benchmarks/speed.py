@@ -40,7 +40,7 @@ from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
 
-RETEXO = [sys.executable, "-m", "flows.cli"]
+RETEXO = [sys.executable, "-m", "cli"]
 
 
 def retexo_train(store: Path, dataset: str, args: list[str]) -> dict[str, float]:
