@@ -30,6 +30,7 @@ ingest_app = typer.Typer(help="Bring a graph into the store (validated, fingerpr
 
 
 def show_dataset(ref: DatasetRef) -> None:
+    """The dataset an ingest wrote (or found unchanged): its fingerprint and sizes."""
     status = "written" if ref.created else "unchanged (already in the store)"
     print_table(
         f"dataset {ref.name}: {status}",

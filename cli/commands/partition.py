@@ -20,6 +20,7 @@ PARTITION_OPTIONS = OptionGroup("partition", PartitionOptions)
 
 
 def show_partition(store: Store, ref: PartitionRef) -> None:
+    """The partition built (or found unchanged): its edge cut, halo and each part's statistics."""
     status = "written" if ref.created else "unchanged (already in the store)"
     columns, rows = query(
         store,

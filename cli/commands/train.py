@@ -71,6 +71,7 @@ def check_local_workers(parts: int, strategy: str, nnodes: int = 1, node_rank: i
 
 
 def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -> None:
+    """A finished run: its layers, evaluation, kept recipe, bytes on the wire and times."""
     m = summary
     title = (f"run {m.fp}: {m.label} {m.model} on {m.dataset_name} "
              f"({m.parts} parts, {m.method or 'whole graph'}, {m.setting})")
