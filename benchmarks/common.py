@@ -17,12 +17,11 @@ from graphstore.ingest.splits import SplitFractions  # noqa: E402
 from graphstore.ingest.synthetic import SyntheticOptions  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef  # noqa: E402
+from retexo_core.comm.log import KINDS  # noqa: E402
 from retexo_core.comm.network import NetworkModel, bytes_by_kind, simulated_seconds  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
 from runner.lifecycle import run_training  # noqa: E402
 from runner.request import RunRequest, prepare_run  # noqa: E402
-
-KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control")
 
 
 def cora(store: Store) -> DatasetRef:

@@ -98,7 +98,7 @@ def run_sites(options: list[str], stores: list[Path], audit: Path, bandwidth_mbi
     env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0", "COLUMNS": "120"}
     with sites(len(stores), bandwidth_mbit) as hosts:
         started = time.perf_counter()
-        commands = [site.command(sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(k),
+        commands = [site.command(sys.executable, "-m", "cli", "site", "train", "cora-site", "--rank", str(k),
                                  "--world", str(len(stores)), "--master-addr", hosts[0].address,
                                  "--master-port", str(GROUP_PORT), "--timeout", "600",
                                  "--audit-dir", str(audit / f"site{k}"), "--store", str(stores[k]), *options)

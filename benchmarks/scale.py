@@ -37,8 +37,11 @@ from measure import Measured, run_measured  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RETEXO = [sys.executable, "-m", "flows.cli"]
-KINDS = ("halo_features", "halo_embeddings", "grad_sync", "control")
+
+from retexo_core.comm.log import KINDS as TRAFFIC_KINDS  # noqa: E402
+
+RETEXO = [sys.executable, "-m", "cli"]
+KINDS = tuple(k for k in TRAFFIC_KINDS if k not in ("halo_grads", "model_sync"))  # those of a layer-wise run
 
 
 def retexo(store: Path, *args: str) -> Measured:

@@ -61,7 +61,7 @@ from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
 
-RETEXO = [sys.executable, "-m", "flows.cli"]
+RETEXO = [sys.executable, "-m", "cli"]
 WHAT = {
     "retexo": ("retexo ({k} workers)", ["--strategy", "retexo"], True),
     "centralized": ("centralized", ["--strategy", "centralized"], False),

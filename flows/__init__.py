@@ -1,1 +1,3 @@
-"""Prefect flows (one module per stage + the pipeline) and the ``retexo`` command line."""
+"""Prefect flows, one module per stage (``ingest``, ``partition``, ``train``) and the whole
+``pipeline``, with their parameter models (``params``). Flows call ``tasks``; the command line
+(``cli``) calls flows."""

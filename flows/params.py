@@ -12,12 +12,10 @@ from graphstore.errors import ConfigError, describe_validation_error
 from graphstore.ingest.spec import DatasetSpec
 from graphstore.partition.methods import PartitionOptions
 from graphstore.promotion import PromotionOptions
-from retexo_core.comm.network import NetworkModel
-from retexo_core.config import Strategy, TrainConfig
-from runner.request import RunRequest
+from retexo_core.config import Strategy
+from runner.request import RunRequest, RunSettings
 
-
-StoreField = Field(None, description="Store root (default: $RETEXO_STORE or ./retexo-store)")
+StoreField = RunSettings.model_fields["store"]  # declared once, with the run's other settings
 
 
 class IngestParams(BaseModel):
@@ -39,24 +37,20 @@ class PartitionParams(BaseModel):
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
 
 
-class TrainingParams(BaseModel):
-    """How to partition and train (shared by ``RunParams`` and ``PipelineParams``)."""
+class TrainingParams(RunSettings):
+    """Where and how to partition and train (``runner.request.RunSettings``), and the retries of the
+    train task (shared by ``RunParams`` and ``PipelineParams``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    store: str | None = StoreField
-    partition: PartitionOptions = Field(default_factory=PartitionOptions)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    network: NetworkModel = Field(default_factory=NetworkModel)
     retries: int = Field(1, ge=0, description="Retries of a failed training task (resumes from the store)")
     retry_delay_s: float = Field(5.0, ge=0)
 
 
 class RunParams(TrainingParams):
-    """``train_flow``: one training run over a stored dataset (name = newest version, or fingerprint)."""
+    """``train_flow``: one training run over a stored dataset: the fields of a ``RunRequest`` (as it
+    declares them), but no site (sites train with ``retexo site train``), and the task's retries."""
 
-    dataset: str
-    cold_start_if_unfit: bool = False  # see RunRequest
+    dataset: str = RunRequest.model_fields["dataset"]
+    cold_start_if_unfit: bool = RunRequest.model_fields["cold_start_if_unfit"]
 
     def request(self) -> RunRequest:
         return RunRequest.model_validate(self.model_dump(include=set(RunRequest.model_fields)))

@@ -8,7 +8,7 @@ judged against the pipeline's promoted model (``tasks.promote``); a refused run 
 in state Failed (its summary is the state's data), so a scheduled retraining that did not deliver
 a model is visible as such. A Prefect API lost meanwhile stops none of this work (artifacts are
 best-effort, ``tasks.best_effort``); what the flow completed is noted for the command to say
-(``flows.prefect_runtime.note_outcome``).
+(``flows.local_run.note_outcome``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from flows.params import PipelineParams, RunParams
-from flows.prefect_runtime import note_outcome, untagged_tasks
+from flows.local_run import note_outcome, untagged_tasks
 from flows.train import train_and_report
 from graphstore.layout import Store
 from graphstore.promotion import warm_start_for

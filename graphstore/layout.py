@@ -27,6 +27,7 @@ STORE_ENV = "RETEXO_STORE"
 MANIFEST = "manifest.json"
 DATASET_FILES = ("nodes.parquet", "edges.parquet", "features.parquet")  # of every dataset folder
 TMP_PREFIX = ".tmp-"
+UNKNOWN_OWNER = -1  # a halo row's owner in a site partition: found when the sites meet, never stored
 
 
 def resolve_store_root(path: str | os.PathLike[str] | None = None) -> Path:

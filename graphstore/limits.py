@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from graphstore.errors import RetexoError
+from graphstore.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,6 @@ def available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(nbytes) < 1024 or unit == "PB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} PB"
-
-
 def check_memory(estimate: Estimate, force: bool = False, available: int | None = None,
                  where: str = "on this machine") -> None:
     """Refuse ``estimate`` when it exceeds the available memory (a warning instead with ``force``);
@@ -75,8 +68,8 @@ def check_memory(estimate: Estimate, force: bool = False, available: int | None 
     available = available_memory() if available is None else available
     if estimate.bytes <= available:
         return
-    message = (f"{estimate.what} needs about {human(estimate.bytes)} of memory, but {human(available)} is available "
-               f"{where}")
+    message = (f"{estimate.what} needs about {human_bytes(estimate.bytes)} of memory, but {human_bytes(available)} "
+               f"is available {where}")
     if force:
         log.warning("%s; going on because of --force", message)
         return

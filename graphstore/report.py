@@ -13,6 +13,7 @@ from graphstore.atomic import atomic_write_file
 from graphstore.layout import MANIFEST, Store
 from graphstore.lookup import completed_run, dataset_runs
 from graphstore.manifests import PartitionManifest, RunManifest, read_manifest
+from graphstore.units import human_bytes
 
 PLOT_NAME = "accuracy_vs_bytes.png"
 REPORT_NAME = "report.md"
@@ -60,14 +61,6 @@ def plot_accuracy_vs_bytes(runs: list[RunManifest], highlight: str, title: str) 
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
-
-
-def human_bytes(value: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{value:.2f} GB"
 
 
 def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, plot_file: str) -> str:

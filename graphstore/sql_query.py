@@ -28,6 +28,7 @@ from graphstore.catalog import (VIEW_NAMES, create_views, duckdb_reason, lock_do
                                 query_memory_limit, unreadable_file_message, with_dependencies)
 from graphstore.errors import RetexoError, StoreError
 from graphstore.layout import Store
+from graphstore.units import human_bytes
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -145,7 +146,7 @@ def _explain(exc: duckdb.Error, store: Store, timed_out: bool, timeout: float) -
         return QueryTimeout("the query was interrupted")
     if isinstance(exc, duckdb.OutOfMemoryException):
         return RetexoError(f"the query needs more memory than `retexo sql` allows (half the available memory, "
-                           f"{query_memory_limit() / 2**30:.1f} GB now): select fewer rows or columns, or aggregate")
+                           f"{human_bytes(query_memory_limit())} now): select fewer rows or columns, or aggregate")
     if isinstance(exc, duckdb.PermissionException):
         path = re.search(r'Cannot access file "(.*)" - ', message)
         what = repr(path.group(1)) if path else duckdb_reason(exc)

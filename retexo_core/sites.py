@@ -35,7 +35,7 @@ import torch
 from retexo_core.comm.communicator import Communicator
 from retexo_core.comm.log import KINDS
 from retexo_core.comm.network import NetworkModel
-from graphstore.partition.site import UNKNOWN_OWNER
+from graphstore.layout import UNKNOWN_OWNER
 from retexo_core.data import PartData, local_positions
 
 SITE_EPOCH = -2  # epoch tag of every site-coordination message in the comm log

@@ -10,7 +10,7 @@ tells the guard, one JSON line per message:
 - ``{"hold": [store, run]}`` / ``{"release": [store, run]}`` (``guard_run``, around the time
   ``runner.lifecycle.run_training`` holds a run): when the command dies holding a run, the guard
   waits until no process holds the run any more (the command and the worker processes of its
-  launch, which exit at once when their launcher dies: ``runner.worker.LauncherWatch``), then
+  launch, which exit at once when their launcher dies: ``runner.launcher_watch``), then
   records ``interrupted`` if the run's last event is ``started`` and removes the temp folders of
   the run (``graphstore.maintenance.finish_abandoned_run``);
 - ``{"stop": true}`` (``guard_descendants``, ``retexo run``): the guard also notes the command's

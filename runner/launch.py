@@ -46,6 +46,7 @@ from typing import Literal, Protocol
 
 from graphstore.errors import RetexoError
 from graphstore.limits import WORKER_BASE, available_memory
+from graphstore.units import human_bytes
 from runner.worker import (WorkerJob, connect_rendezvous, core_logs_to_files, error_file, marker, process_main,
                            thread_main)
 
@@ -109,7 +110,7 @@ def worker_ceiling() -> tuple[int, str]:
     fit = max(1, memory // WORKER_BASE)
     if fit >= MAX_WORKERS:
         return MAX_WORKERS, f"hard cap {MAX_WORKERS}"
-    return fit, f"{memory / 2**30:.1f} GB available, {WORKER_BASE // 2**20} MB per worker"
+    return fit, f"{human_bytes(memory)} available, {human_bytes(WORKER_BASE)} per worker"
 
 
 def check_worker_processes(count: int) -> None:

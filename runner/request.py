@@ -40,16 +40,22 @@ class SiteSeat(BaseModel):
     world: int = Field(description="Number of sites")
 
 
-class RunRequest(BaseModel):
-    """One training run as a user asks for it."""
+class RunSettings(BaseModel):
+    """Where and how to run, whatever the dataset: the store, the partitioning, the training and
+    the simulated network (shared with the flows' parameters, ``flows.params``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     store: str | None = Field(None, description="Store root (default: $RETEXO_STORE or ./retexo-store)")
-    dataset: str = Field(description="Dataset name (newest version) or fingerprint")
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
     train: TrainConfig = Field(default_factory=TrainConfig)
     network: NetworkModel = Field(default_factory=NetworkModel)
+
+
+class RunRequest(RunSettings):
+    """One training run as a user asks for it."""
+
+    dataset: str = Field(description="Dataset name (newest version) or fingerprint")
     site: SiteSeat | None = Field(None, description="A site's run over the site partition of its own store")
     cold_start_if_unfit: bool = Field(False, description="When the warm-start run does not fit this one, "
                                       "start cold with a warning instead of failing (a pipeline's promoted model)")

@@ -36,6 +36,7 @@ from graphstore.parquet_io import COMPRESSION, read_table
 from graphstore.runs import PREDICTIONS, read_embeddings, write_embeddings
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
+from runner.launcher_watch import ensure_launcher_alive
 
 if TYPE_CHECKING:
     import torch
@@ -228,9 +229,7 @@ class RunFolder:
         for path in written:
             fsync_file(path)
         cfg = self.config
-        from runner.worker import ensure_launcher_alive  # no commit once the lock-holding launcher is gone
-
-        ensure_launcher_alive()
+        ensure_launcher_alive()  # no commit once the lock-holding launcher is gone
         commit_directory(temp, Path(stage.target), LayerManifest(
             fp=stage.fp, run=self.run_fp, layer=summary.layer, parts=self.world, strategy=cfg.strategy,
             model=cfg.model, last=summary.layer == cfg.layers,

@@ -5,15 +5,12 @@ this rank's partition, and let ``retexo_core.stages`` train the launch's layers.
 A worker reads only ``part=<rank>`` of the partition (plus the partition manifest) and its own rows
 of earlier layers; everything else arrives through the communicator and is counted.
 
-A spawned worker never outlives its launcher (``LauncherWatch``): the kernel kills it when the
-launcher dies (``PR_SET_PDEATHSIG``), and a daemon thread waits on the launcher's
-``multiprocessing`` sentinel (it closes when the launcher process dies, whichever of its threads
-started the worker) and ends the worker at once with ``os._exit``, committing nothing. A layer is
-also never committed once the launcher is gone (``ensure_launcher_alive``, called by
-``RunFolder.commit_layer`` just before the commit). The workers of the launcher that keeps the
-run's store hold the run (``graphstore.history.hold_run``) for their whole life, so the launcher's
-guard (``runner.descendant_guard``), which records the run ``interrupted`` and removes the
-launch's temp folders when the launcher is killed, does so once every worker is gone.
+A spawned worker never outlives its launcher (``runner.launcher_watch``, started first thing in
+``train_in_process``): it ends at once, committing nothing, when the launcher dies. The workers
+of the launcher that keeps the run's store hold the run (``graphstore.history.hold_run``) for
+their whole life, so the launcher's guard (``runner.descendant_guard``), which records the run
+``interrupted`` and removes the launch's temp folders when the launcher is killed, does so once
+every worker is gone.
 
 For the launcher's hang watch (``runner.launch``) every worker leaves files in the launch's
 ``error_dir``: ``rank-<r>.started`` (its pid), ``.joining`` (it reached the rendezvous),
@@ -24,12 +21,9 @@ the ranks that waited from the rank that never came.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
-import multiprocessing as mp
 import os
-import signal
 import sys
 import threading
 import time
@@ -46,6 +40,7 @@ from graphstore.history import hold_run
 from graphstore.layout import Store
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
+from runner.launcher_watch import watch_launcher
 from runner.results import StageSpec
 
 if TYPE_CHECKING:  # the training core (torch) is imported by the ranks only, not by the launcher
@@ -82,7 +77,6 @@ class WorkerJob:
 
 
 HEARTBEAT_S = 1.0  # seconds between two touches of a worker's ``.alive`` file
-ORPHANED_EXIT = 3  # exit code of a worker that stopped because its launcher died
 Marker = Literal["started", "joining", "joined", "alive"]
 
 
@@ -98,65 +92,6 @@ def marker(job: WorkerJob, rank: int, kind: Marker) -> Path:
     """The file a worker leaves in ``error_dir`` when it has started, reached the rendezvous,
     joined the process group; ``alive`` is its heartbeat (see the module docstring)."""
     return Path(job.error_dir) / f"rank-{rank}.{kind}"
-
-
-def ensure_launcher_alive() -> None:
-    """In a spawned worker: stop here (``os._exit``, nothing committed) if the launcher is gone.
-    A no-op anywhere else (ranks run as threads, other processes)."""
-    if _WATCH is not None:
-        _WATCH.check()
-
-
-class LauncherWatch:
-    """Ends a spawned worker as soon as its launcher process is gone (see the module docstring).
-
-    Every worker asks the kernel for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG``, Linux),
-    which also ends a worker that is stopped or stuck without the GIL; it fires when the launcher
-    *thread* that spawned the worker exits, which is safe here because ``run_workers`` starts and
-    waits for its workers in one thread. A daemon thread waits on the launcher's sentinel as
-    well (where PDEATHSIG is missing, or the launcher died before it was set). Recording the run
-    ``interrupted`` and removing the temp folders is the launcher's guard's job, once the
-    workers are gone: a worker does neither.
-    """
-
-    def __init__(self, job: WorkerJob, rank: int):
-        self.job = job
-        self.rank = rank
-        self.parent = mp.parent_process()
-
-    def start(self) -> None:
-        if self.parent is None:
-            return
-        die_with_parent_thread()
-        threading.Thread(target=self._wait, name="retexo-launcher-watch", daemon=True).start()
-
-    def _wait(self) -> None:
-        self.parent.join()  # type: ignore[union-attr]  # returns when the launcher's end of the pipe closes
-        self.launcher_gone()
-
-    def check(self) -> None:
-        if self.parent is not None and not self.parent.is_alive():
-            self.launcher_gone()
-
-    def launcher_gone(self) -> NoReturn:
-        try:
-            logging.getLogger("retexo.worker").error("rank %d: the launcher died; stopping", self.rank)
-        finally:
-            os._exit(ORPHANED_EXIT)
-
-
-_WATCH: LauncherWatch | None = None  # set in spawned workers only
-
-
-def die_with_parent_thread() -> None:
-    """Ask the kernel to SIGKILL this process when the thread that spawned it exits (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # the watch thread alone then
 
 
 def start_heartbeat(job: WorkerJob, rank: int) -> None:
@@ -325,9 +260,7 @@ def process_main(job: WorkerJob, rank: int) -> None:
 def train_in_process(job: WorkerJob, rank: int) -> None:
     """The worker process's work; the launcher watch and the heartbeat start before torch is
     imported (seconds)."""
-    global _WATCH
-    _WATCH = LauncherWatch(job, rank)
-    _WATCH.start()
+    watch_launcher(rank)
     start_heartbeat(job, rank)
     marker(job, rank, "started").write_text(f"{os.getpid()}\n")
 

@@ -11,7 +11,7 @@ goes into *API lost* mode (``lose_api``), once:
   of retrying for a minute each;
 - run logs are no longer sent to the API, and Prefect's background services (events, logs) stop
   printing a warning per item they cannot send: the command says once that the API was lost
-  (``flows.prefect_runtime.run_flow_here``).
+  (``cli.prefect_runtime.run_flow_here``).
 
 Training and finalisation go on from the store either way.
 """

@@ -5,7 +5,7 @@ built once per session in a session-scoped store; tests may add artefacts to it 
 or remove one. Tests that check what a command writes get a fresh ``tmp_path`` store, or a copy
 of a small template store that already holds a dataset (``store_with_dataset``).
 
-The CLI is run as ``python -m flows.cli`` (what the ``retexo`` console script calls) in a
+The CLI is run as ``python -m cli`` (what the ``retexo`` console script calls) in a
 subprocess with stdin closed, so exit codes and prompts are the real ones.
 """
 
@@ -38,7 +38,7 @@ from graphstore.partition.methods import PartitionOptions
 from processes import REPO, run_together  # noqa: F401  (run_together: re-exported for the tests)
 
 CORA_DIR = REPO / "data" / "cora"
-RETEXO = [sys.executable, "-m", "flows.cli"]
+RETEXO = [sys.executable, "-m", "cli"]
 GRAPH_METHODS = ("random", "metis", "supernode")
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CORA_DIR, REPO, RETEXO, cli_env, table_rows
-from flows.console import TABLE_ROWS
+from cli.console import TABLE_ROWS
 
 NARROW = {"COLUMNS": "80"}
 CUT = ("…", "...")

@@ -24,7 +24,7 @@ from conftest import (
     write_planetoid,
     write_tables,
 )
-from flows.cli import app
+from cli.app import app
 from graphstore.sql_query import query
 from graphstore.errors import InputError
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.app import app
 from graphstore.errors import RetexoError
 from conftest import CORA_DIR, TableFiles, dataset_features, flat, run_cli, snapshot, write_planetoid, write_tables
 from graphstore.layout import Store

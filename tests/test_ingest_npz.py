@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import REPO, dataset_features, flat, run_cli, snapshot
-from flows.cli import app
+from cli.app import app
 from graphstore.errors import InputError
 from graphstore.layout import Store
 from graphstore.limits import ResourceError

@@ -143,7 +143,7 @@ def test_the_estimates_are_within_10_percent_below_and_30_above_the_measured_pea
 
 def test_force_turns_the_refusal_into_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     estimate = Estimate("something", 10 * 2**30, "make it smaller")
-    with pytest.raises(ResourceError, match="something needs about 10.0 GB.*1.0 GB is available.*--force"):
+    with pytest.raises(ResourceError, match="something needs about 10.74 GB.*1.07 GB is available.*--force"):
         check_memory(estimate, available=2**30)
     with caplog.at_level(logging.WARNING):
         check_memory(estimate, force=True, available=2**30)

@@ -69,7 +69,7 @@ def test_two_nodes_in_namespaces_train_what_retexo_train_trains(tmp_path: Path) 
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0"}
     with sites(2, bandwidth_mbit=BANDWIDTH_MBIT) as hosts:
         master = hosts[0].address
-        nodes = run_together([site.command(sys.executable, "-m", "flows.cli", "worker", str(job), "--nnodes", "2",
+        nodes = run_together([site.command(sys.executable, "-m", "cli", "worker", str(job), "--nnodes", "2",
                                            "--node-rank", str(k), "--master-addr", master, "--master-port", "29510",
                                            "--store", str(store)) for k, site in enumerate(hosts)], env, TIMEOUT_S,
                              [cpu_share(k, len(hosts)) for k in range(len(hosts))])

@@ -104,7 +104,7 @@ def train_sites(stores: list[Path], audit: Path, port: int, *extra: object) -> l
 
 def site_train(rank: int, world: int, port: int, store: Path, *options: object) -> list[str]:
     """The ``retexo site train`` command of site ``rank`` (the test's training options, then ``options``)."""
-    return [sys.executable, "-m", "flows.cli", "site", "train", "cora-site", "--rank", str(rank), "--world", str(world),
+    return [sys.executable, "-m", "cli", "site", "train", "cora-site", "--rank", str(rank), "--world", str(world),
             "--master-port", str(port), "--store", str(store), *map(str, TRAIN), *map(str, options)]
 
 

@@ -179,7 +179,7 @@ def test_a_query_is_held_to_half_the_available_memory(store_with_dataset: Path,
     store = Store.open(store_with_dataset)
     assert query(store, "SELECT current_setting('memory_limit')")[1] == [("300.0 MiB",)]
     with pytest.raises(RetexoError, match=r"the query needs more memory than `retexo sql` allows "
-                                          r"\(half the available memory, 0.3 GB now\)"):
+                                          r"\(half the available memory, 314.57 MB now\)"):
         query(store, "SELECT max(length(l)) FROM (SELECT list(range) AS l FROM range(200000000) GROUP BY range % 3)")
     assert query(store, "SELECT count(*) FROM nodes")[1] == [(60,)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.app import app
 from conftest import REPO, RETEXO, cli_env, flat, run_cli, snapshot, table_rows
 from graphstore.atomic import atomic_artefact, temp_sibling, writer_lock
 from graphstore.sql_query import ReadOnlyViolation, check_read_only, query
@@ -215,7 +215,7 @@ def test_environment_variable_selects_the_store(store_with_dataset: Path):
 
 def test_store_commands_do_not_import_torch():
     """ingest / partition / sql / store start fast: torch and retexo_core load only for training."""
-    code = ("import sys, flows.cli; heavy = sorted(m for m in ('torch', 'torch_geometric', 'retexo_core', 'ogb') "
+    code = ("import sys, cli.app; heavy = sorted(m for m in ('torch', 'torch_geometric', 'retexo_core', 'ogb') "
             "if m in sys.modules); print(heavy); sys.exit(bool(heavy))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
                             timeout=60)

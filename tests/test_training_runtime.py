@@ -130,7 +130,7 @@ def test_a_killed_worker_fails_the_run_quickly_naming_its_rank(tmp_path: Path) -
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
     timeout = 60
-    cmd = [sys.executable, "-m", "flows.cli", "train", "cora", "--parts", "3", "--rounds", "100000",
+    cmd = [sys.executable, "-m", "cli", "train", "cora", "--parts", "3", "--rounds", "100000",
            "--hidden", "16", "--timeout", str(timeout), "--store", str(store)]
     code, _, err, elapsed = run_and_kill_a_worker(cmd, cli_env(), store, workers=3, victim=1, timeout_s=timeout + 30)
     assert code == 2
@@ -151,7 +151,7 @@ def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path
     }))
     port = free_port()
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "flows.cli", "worker", str(config), "--nnodes", "2",
+        subprocess.Popen([sys.executable, "-m", "cli", "worker", str(config), "--nnodes", "2",
                           "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                           "--store", str(store)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),

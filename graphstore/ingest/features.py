@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 SPARSE_DENSITY = 0.1
 RequestedFormat = Literal["auto", "dense", "sparse"]
+REQUESTED_FORMAT_HELP = ("How features are stored: sparse (column ids + values per row) or dense; auto keeps sparse "
+                         "sources (Planetoid, JSON) sparse and stores a dense table sparse at density <= 0.1.")
 
 
 def density(x: "FeatureMatrix") -> float:

@@ -9,9 +9,11 @@ from pydantic import BaseModel, Field, model_validator
 class SplitFractions(BaseModel):
     """Fractions of the labelled nodes of each class put into train and val; the rest is test."""
 
-    train: float = Field(0.6, gt=0, lt=1)
-    val: float = Field(0.2, ge=0, lt=1)
-    seed: int = Field(0, ge=0)
+    train: float = Field(0.6, gt=0, lt=1, json_schema_extra={"cli": "train_frac"},
+                         description="Fraction of each class's labelled nodes for training, when the source has no split.")
+    val: float = Field(0.2, ge=0, lt=1, json_schema_extra={"cli": "val_frac"},
+                       description="Fraction for validation (the rest is test), when the source has no split.")
+    seed: int = Field(0, ge=0, json_schema_extra={"cli": "split_seed"}, description="Seed of the stratified split.")
 
     @model_validator(mode="after")
     def _fits(self) -> "SplitFractions":

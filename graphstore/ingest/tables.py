@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from graphstore.errors import InputError
-from graphstore.ingest.features import RequestedFormat
+from graphstore.ingest.features import REQUESTED_FORMAT_HELP, RequestedFormat
 from graphstore.ingest.graph import SourceGraph
 from graphstore.ingest.validate import check_unique_ids, first_true
 
@@ -43,14 +43,13 @@ FEATURE_COLUMN = re.compile(r"^f(\d+)$")
 class TableOptions(BaseModel):
     """How to read the user's tables (part of the dataset fingerprint)."""
 
-    src_column: str = "src"
-    dst_column: str = "dst"
-    undirected: bool = False
-    num_classes: int | None = None
-    # a site's tables: edge sources may be nodes other sites hold (only targets must be in the
-    # nodes table); the site's edges are those into its own nodes
-    remote_sources: bool = False
-    feature_format: RequestedFormat = "auto"
+    src_column: str = Field("src", description="Edge source column.")
+    dst_column: str = Field("dst", description="Edge target column.")
+    undirected: bool = Field(False, description="Add the reverse of every edge.")
+    num_classes: int | None = Field(None, description="Number of classes (default: largest label + 1).")
+    remote_sources: bool = Field(False, description="A site's own tables: edge sources may be node ids other sites "
+                                 "hold (not in the nodes table); every edge must end at one of this site's nodes.")
+    feature_format: RequestedFormat = Field("auto", description=REQUESTED_FORMAT_HELP)
 
 
 def find_table_files(folder: Path) -> tuple[Path, Path, Path | None]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import pymetis
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 METIS_OBJECTIVE = {"cut": 0, "vol": 1}  # METIS_OBJTYPE_CUT, METIS_OBJTYPE_VOL
@@ -102,7 +101,11 @@ def metis_adjacency(num_nodes: int, src: np.ndarray, dst: np.ndarray, symmetric_
 
 
 def metis_parts(xadj: np.ndarray, adjncy: np.ndarray, parts: int, seed: int, objective: str) -> np.ndarray:
-    """(N,) int64 partition of each node by pymetis k-way with the given seed and objective."""
+    """(N,) int64 partition of each node by pymetis k-way with the given seed and objective.
+    pymetis is imported here, by METIS partitionings alone: the modules that only read partition
+    options (lookups, plans, the workers) never load it."""
+    import pymetis
+
     num_nodes = len(xadj) - 1
     if parts == 1:
         return np.zeros(num_nodes, np.int64)

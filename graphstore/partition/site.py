@@ -20,13 +20,12 @@ import pyarrow.parquet as pq
 from graphstore.atomic import atomic_artefact
 from graphstore.fingerprint import fingerprint
 from graphstore.integrity import intact_manifest, verify_files
-from graphstore.layout import DATASET_FILES, Store
+from graphstore.layout import DATASET_FILES, UNKNOWN_OWNER, Store
 from graphstore.lookup import PARTITION_FORMAT, DatasetRef, PartitionRef
 from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, read_table, take_feature_rows
 
 SITE_METHOD = "site"
-UNKNOWN_OWNER = -1
 log = logging.getLogger(__name__)
 
 

@@ -23,12 +23,10 @@ import torch
 import torch.distributed as dist
 
 from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes, pack_nonzero, unpack_nonzero
-from retexo_core.comm.log import CommLog
+from retexo_core.comm.log import COMPRESSIBLE, CommLog
 from retexo_core.comm.network import NetworkModel
 from retexo_core.comm.transport import GlooTransport, Transport
 from retexo_core.device import CPU, to_host
-
-COMPRESSIBLE = {"halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync"}
 
 
 class CommunicationError(RuntimeError):

@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+# Every kind of traffic between workers, in the order of byte tables and of a site's byte totals
+# (the one declaration: the benchmarks' columns and the communicator's codecs derive from it).
 KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control")
+# The kinds a ``--compression`` codec may encode: every kind but ``control`` (counts, ids, metrics,
+# agreement), which is always sent raw.
+COMPRESSIBLE = frozenset(KINDS) - {"control"}
 
 COMM_SCHEMA = pa.schema([
     ("op", pa.int64()),          # sequence number of the communication operation on this worker

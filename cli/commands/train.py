@@ -1,7 +1,8 @@
-"""The training commands of the ``retexo`` CLI: ``train``, ``worker`` (one node of several) and
-``run`` (the Prefect pipeline). Their options come from the models that declare them:
-``TrainConfig``, ``PartitionOptions`` (prefixed ``--partition-``, but ``--parts``) and
-``NetworkModel``; the training core and Prefect are imported only when a command runs.
+"""The training commands: ``retexo train`` (one run on this machine), ``retexo worker`` (this
+machine's share of a run over several) and ``retexo site train`` (one site of several, each with its
+own store). Their options come from the models that declare them: ``TrainConfig``,
+``PartitionOptions`` (prefixed ``--partition-``, but ``--parts``) and ``NetworkModel``; the run
+lifecycle is imported only when a command runs.
 
 The training commands treat SIGTERM like Ctrl-C (``stop_on_sigterm``): a KeyboardInterrupt in
 the main thread, so the workers are stopped, the run is recorded ``interrupted`` and the command
@@ -15,16 +16,17 @@ import logging
 import os
 import signal
 import time
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from flows.cli import StoreOption, open_store
-from flows.console import err, human_bytes, out, print_table, training_bars
-from flows.options import OptionGroup, collect, with_options
+from cli.console import err, out, print_table, training_bars
+from cli.options import OptionGroup, collect, with_options
+from cli.shared_options import StoreOption, open_store
 from graphstore.partition.methods import PartitionOptions
+from graphstore.units import human_bytes
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from retexo_core.recipe import KNOB_NAMES
@@ -38,8 +40,9 @@ TRAIN = OptionGroup("train", TrainConfig)
 PARTITION = OptionGroup("partition", PartitionOptions, prefix="partition-", unprefixed=frozenset({"parts"}))
 NETWORK = OptionGroup("network", NetworkModel)
 
-
 log = logging.getLogger(__name__)
+
+site_app = typer.Typer(help="Train with other sites, each keeping its own store.", no_args_is_help=True)
 
 
 def stop_on_sigterm() -> None:
@@ -68,6 +71,7 @@ def check_local_workers(parts: int, strategy: str, nnodes: int = 1, node_rank: i
 
 
 def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -> None:
+    """A finished run: its layers, evaluation, kept recipe, bytes on the wire and times."""
     m = summary
     title = (f"run {m.fp}: {m.label} {m.model} on {m.dataset_name} "
              f"({m.parts} parts, {m.method or 'whole graph'}, {m.setting})")
@@ -90,18 +94,6 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
         ["training (inside workers, all layers)", round(m.wall_s, 3)],
         ["wall time of this command", round(wall, 3)],
     ])
-
-
-def show_comparison(runs: list[RunManifest]) -> None:
-    """One row per run: the first is the pipeline's run, the others its baselines."""
-    first = runs[0]
-    title = f"run {first.fp}: {first.label} {first.model} on {first.dataset_name} ({first.parts} parts, {first.method})"
-    if len(runs) > 1:
-        title += " vs " + ", ".join(r.label for r in runs[1:])
-    title += f"; comm. simulated at {first.network['bandwidth_mbps']:g} Mbit/s"
-    print_table(title, ["strategy", "run", "test acc", "val acc", "bytes", "sim. comm s", "training s"],
-                [[r.label, r.fp[:8], f"{r.test_acc:.4f}", f"{r.val_acc:.4f}", human_bytes(r.total_bytes),
-                  f"{r.sim_comm_s:.1f}", f"{r.wall_s:.1f}"] for r in runs])
 
 
 def show_preview(preview: Preview) -> None:
@@ -134,6 +126,7 @@ def show_preview(preview: Preview) -> None:
         raise typer.Exit(2)
 
 
+@with_options(TRAIN, PARTITION, NETWORK)
 def train_cmd(
     dataset: Annotated[str, typer.Argument(help="Dataset name (newest version) or fingerprint.")],
     store: StoreOption = None,
@@ -207,6 +200,8 @@ def worker_cmd(
     show_run(summary, progress, time.perf_counter() - started)
 
 
+@site_app.command("train")
+@with_options(TRAIN, NETWORK)
 def site_train_cmd(
     dataset: Annotated[str, typer.Argument(help="This site's dataset (ingested with --remote-sources), name or fingerprint.")],
     rank: Annotated[int, typer.Option(help="This site's rank, 0..world-1, fixed for the run (site 0 coordinates).")],
@@ -240,53 +235,3 @@ def site_train_cmd(
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
     if summary is not None and summary.bytes_by_site:  # type: ignore[union-attr]
         print_table("bytes sent per site", ["site", "bytes"], sorted(summary.bytes_by_site.items()))  # type: ignore[union-attr]
-
-
-def run_cmd(
-    config: Annotated[Path, typer.Argument(help="YAML preset (see configs/): dataset, partition, train, network.")],
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a key, e.g. --set train.rounds=50 (repeatable).")] = None,
-    store: StoreOption = None,
-) -> None:
-    """Run the whole pipeline as a Prefect flow: ingest -> partition -> train -> evaluate -> report
-    (-> promotion gate, with promotion.pipeline set). Stages whose output is already in the store
-    are reported as cached. Exit code 1 when the gate refuses the new run."""
-    from flows.params import load_params
-    from graphstore.manifests import RunManifest, read_manifest
-
-    from flows.prefect_runtime import prepare_environment, run_flow_here
-
-    stop_on_sigterm()  # outside the flow; while it runs, Prefect's own handler (see stop_on_sigterm)
-    params = load_params(config, set_)
-    check_local_workers(params.partition.parts, params.train.strategy)  # type: ignore[union-attr]
-    if store is not None:
-        params = params.model_copy(update={"store": str(store)})
-    prepare_environment()
-    from flows.pipeline import pipeline_flow  # Prefect is imported only when a flow runs
-    from tasks.train import show_training_with
-
-    show_training_with(training_bars)
-
-    state = run_flow_here(pipeline_flow, params)
-    result = state.result(raise_on_failure=False)
-    if not isinstance(result, dict):  # a failure before the run finished: its exception
-        raise result
-    print_table("stages", ["stage", "status"], list(result["stages"].items()))
-    if "promotion" in result:
-        decision = result["promotion"]
-        out.print(f"promotion gate of {decision['pipeline']}: {decision['decision']} ({decision['reason']})")
-    st = open_store(params.store)
-    runs = [read_manifest(st.run_dir(fp), RunManifest) for fp in [result["run"], *result["compared"]]]
-    out.print(f"report: {result['report']}", soft_wrap=True)
-    show_comparison(runs)
-    out.print(f"plot:   {result['plot']}", soft_wrap=True)
-    if state.is_failed():
-        raise typer.Exit(1)
-
-
-def register_training_commands(app: typer.Typer) -> None:
-    app.command("train")(with_options(TRAIN, PARTITION, NETWORK)(train_cmd))
-    app.command("worker")(worker_cmd)
-    app.command("run")(run_cmd)
-    site_app = typer.Typer(help="Train with other sites, each keeping its own store.", no_args_is_help=True)
-    site_app.command("train")(with_options(TRAIN, NETWORK)(site_train_cmd))
-    app.add_typer(site_app, name="site")

@@ -6,13 +6,13 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
   unless the user set ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``, and a server that
   still does not start is reported in one line that says what to do.
 - Every flow run started here is tagged with this process (``retexo-process:<host>:<pid>:<start
-  time>``). Before a new flow runs, flow runs of this host still ``RUNNING`` whose process is gone
-  (killed with SIGKILL, or the machine lost power) are set to ``Crashed``. A run interrupted by
-  SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
+  time>``, ``flows.local_run``). Before a new flow runs, flow runs of this host still ``RUNNING``
+  whose process is gone (killed with SIGKILL, or the machine lost power) are set to ``Crashed``.
+  A run interrupted by SIGINT or SIGTERM is marked ``Crashed`` by Prefect's engine itself.
 - An API lost while the flow runs (its server died) stops none of the flow's work: reports to it
   are best-effort (``tasks.best_effort``) and the work is recorded in the store. The flow run's
   final state can then not be recorded: one line says so and what the flow completed
-  (``PrefectApiLost``, exit code 2), seconds after the work ends.
+  (``flows.local_run.note_outcome``; ``PrefectApiLost``, exit code 2), seconds after the work ends.
 - The temporary API server is a child process that Prefect stops when this process exits; this
   process's ``runner.descendant_guard`` stops it (and any other descendant) when this process is
   killed.
@@ -23,12 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
+from flows.local_run import PROCESS_TAG, forget_outcome, noted_outcome
 from graphstore.errors import RetexoError
 from runner.descendant_guard import guard_descendants
 from tasks.best_effort import api_lost, is_unreachable
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 120
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
-PROCESS_TAG = "retexo-process"
 
 
 class PrefectUnavailable(RetexoError):
@@ -96,28 +95,6 @@ def prepare_environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no banner, no calls out
 
 
-@contextmanager
-def untagged_tasks() -> Iterator[None]:
-    """Inside a flow run started here: the task runs it starts do not carry the process tag, which
-    only the flow run needs. (Prefect asks the API for a tagged task run's concurrency slots before
-    it starts, which would fail every task once the API is lost.)"""
-    from prefect.context import TagsContext
-
-    current = TagsContext.get().current_tags
-    with TagsContext(current_tags={t for t in current if not t.startswith(f"{PROCESS_TAG}:")}):
-        yield
-
-
-_outcome: str | None = None
-
-
-def note_outcome(text: str) -> None:
-    """What the flow running here has completed, in words: ``run_flow_here`` says it if the Prefect
-    API is lost before the flow's state is recorded."""
-    global _outcome
-    _outcome = text
-
-
 def api_location() -> str:
     from prefect.settings import PREFECT_API_URL
 
@@ -130,13 +107,13 @@ def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
     Orphaned flow runs are marked first; a Prefect API that cannot be started or reached is a
     ``PrefectUnavailable`` with one line of advice instead of a traceback. An API lost while the
     flow runs does not stop its work (``tasks.best_effort``), but the flow run's state can then not
-    be recorded: a ``PrefectApiLost`` says so, and what the flow completed (``note_outcome``).
+    be recorded: a ``PrefectApiLost`` says so, and what the flow completed
+    (``flows.local_run.note_outcome``).
     """
     from prefect import tags
 
-    global _outcome
     guard_descendants()
-    _outcome = None
+    forget_outcome()
     reach_api(mark_orphaned_flow_runs)
     try:
         with tags(process_tag()):
@@ -150,9 +127,8 @@ def run_flow_here(flow: Callable[..., Any], *args: Any) -> Any:
 def api_lost_message(cause: BaseException, raised: BaseException) -> str:
     """One line: the API was lost (``cause``), and what the flow completed or why it failed (the
     error that the failed state update of the flow run hides in ``raised``'s context)."""
-    if _outcome is not None:
-        done = _outcome
-    else:
+    done = noted_outcome()
+    if done is None:
         failure: BaseException | None = raised
         while failure is not None and is_unreachable(failure):
             failure = failure.__context__

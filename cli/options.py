@@ -3,7 +3,8 @@
 ``model_options`` turns a model's fields into typer options (name, type, default and help all
 from the field); ``with_options`` gives a command those options, and ``collect`` builds the model
 back from the parsed values. A field's ``json_schema_extra["cli"]`` renames its option; a prefix
-keeps groups apart (``--partition-seed`` next to the training ``--seed``).
+keeps groups apart (``--partition-seed`` next to the training ``--seed``); a group may offer some
+of its model's fields only (the others keep their defaults, or values the command gives ``collect``).
 """
 
 from __future__ import annotations
@@ -17,23 +18,34 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import typer
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 
 @dataclass(frozen=True)
 class OptionGroup:
     """The options of one model: ``key`` names the group's parameters; ``prefix`` goes in front of
-    every option name except those in ``unprefixed``."""
+    every option name except those in ``unprefixed``; ``fields`` (default: all) are the fields
+    that become options; with ``negatable`` a yes/no option also has its ``--no-`` form."""
 
     key: str
     model: type[BaseModel]
     prefix: str = ""
     unprefixed: frozenset[str] = frozenset()
+    fields: tuple[str, ...] | None = None
+    negatable: bool = False
+
+    def offered(self) -> dict[str, FieldInfo]:
+        """The model's fields that are options of this group, in the model's order."""
+        return {name: info for name, info in self.model.model_fields.items()
+                if self.fields is None or name in self.fields}
 
 
 def option_name(group: OptionGroup, field: str) -> str:
-    extra = group.model.model_fields[field].json_schema_extra or {}
+    info = group.model.model_fields[field]
+    extra = info.json_schema_extra or {}
     name = str(extra.get("cli", field)).replace("_", "-")  # type: ignore[union-attr]
-    return f"--{name}" if field in group.unprefixed else f"--{group.prefix}{name}"
+    name = name if field in group.unprefixed else f"{group.prefix}{name}"
+    return f"--{name}/--no-{name}" if group.negatable and info.annotation is bool else f"--{name}"
 
 
 def cli_type(annotation: Any) -> tuple[Any, bool]:
@@ -52,7 +64,7 @@ def cli_type(annotation: Any) -> tuple[Any, bool]:
 
 def model_options(group: OptionGroup) -> list[inspect.Parameter]:
     parameters = []
-    for field, info in group.model.model_fields.items():
+    for field, info in group.offered().items():
         kind, listed = cli_type(info.annotation)
         default = inspect.Parameter.empty if info.is_required() else info.get_default(call_default_factory=True)
         if listed and default is not None:
@@ -80,10 +92,11 @@ def parse_list(value: str, cast: type) -> object:
     return items[0] if len(items) == 1 else items
 
 
-def collect(group: OptionGroup, values: dict[str, Any]) -> BaseModel:
-    """The group's model from a command's parsed values (comma lists split, types checked by pydantic)."""
-    data = {}
-    for field, info in group.model.model_fields.items():
+def collect(group: OptionGroup, values: dict[str, Any], **given: Any) -> BaseModel:
+    """The group's model from a command's parsed values (comma lists split, types checked by
+    pydantic) and the values ``given`` of fields that are no options of the group."""
+    data = dict(given)
+    for field, info in group.offered().items():
         value = values[f"{group.key}__{field}"]
         kind, listed = cli_type(info.annotation)
         if listed and isinstance(value, str):

@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from graphstore.units import human_bytes
+
 UNBOUNDED_WIDTH = 1_000_000  # columns of a console that is not a terminal: no value is cut or wrapped
 TABLE_ROWS = 1000  # rows at most in a table of query results (csv and json stream every row)
 
@@ -35,14 +37,6 @@ def _console(stderr: bool) -> Console:
 
 out = _console(stderr=False)
 err = _console(stderr=True)
-
-
-def human_bytes(value: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{value:.2f} TB"
 
 
 def _cell(value: Any) -> str:
