@@ -19,7 +19,7 @@ from graphstore.parquet_io import decoded_feature_bytes
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
-from runner.gpus import Gpu, ranks_per_gpu
+from runner.gpus import Gpu, ranks_per_gpu, training_gpus
 from runner.plan import RunPlan, layer_state
 from runner.request import RunRequest, prepare_run
 
@@ -35,10 +35,12 @@ class Preview:
     layer_states: dict[int, str] = field(default_factory=dict)
     estimates: list[Estimate] = field(default_factory=list)  # in the order the command checks them
     available: int = 0
+    gpu_estimates: list[tuple[Estimate, Gpu]] = field(default_factory=list)  # each GPU the ranks will use
 
     @property
     def fits(self) -> bool:
-        return all(e.bytes <= self.available for e in self.estimates)
+        return (all(e.bytes <= self.available for e in self.estimates)
+                and all(e.bytes <= gpu.free for e, gpu in self.gpu_estimates))
 
 
 def worst_case_halo(dataset: DatasetRef, parts: int) -> int:
@@ -80,6 +82,7 @@ def gpu_memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_to
 def preview_training(store: Store, dataset: str, options: PartitionOptions, config: TrainConfig,
                      network: NetworkModel) -> Preview:
     """What ``retexo train DATASET`` with these options would do on this machine (one node)."""
+    gpus = training_gpus(config.device)  # --device cuda without a GPU: the command's own refusal
     ref = find_dataset(store, dataset)
     preview = Preview(ref, None, None, None, available=available_memory())
     whole = config.strategy_spec.whole_graph
@@ -98,4 +101,5 @@ def preview_training(store: Store, dataset: str, options: PartitionOptions, conf
             preview.partition.halo_total if preview.partition is not None else worst_case_halo(ref, options.parts))
     if any(state != "done" for state in preview.layer_states.values()) or preview.plan is None:
         preview.estimates.append(memory_for(ref, config, world, halo, world))
+        preview.gpu_estimates = gpu_memory_for(ref, config, world, halo, list(range(world)), gpus)
     return preview

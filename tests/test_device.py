@@ -15,7 +15,10 @@ from graphstore.layout import Store
 from graphstore.runs import read_embeddings
 from retexo_core.device import CPU, DeviceError, compute_device, layer_fits
 from retexo_core.sparse import SparseMatrix, dropout, gat_aggregate, spmm
-from runner.gpus import _selected, ranks_per_gpu, training_gpus
+from graphstore.limits import gpu_estimate
+from retexo_core.config import TrainConfig
+from runner.gpus import Gpu, _selected, ranks_per_gpu, training_gpus
+from runner.preview import gpu_memory_for, training_sizes
 from runner.plan import RunPlan
 from training_helpers import comm_log, make_tiny, small_config, train
 
@@ -60,6 +63,18 @@ def test_ranks_are_spread_over_the_gpus_round_robin() -> None:
     assert ranks_per_gpu(list(range(8)), 1) == {0: 8}
     assert ranks_per_gpu(list(range(5)), 2) == {0: 3, 1: 2}
     assert ranks_per_gpu([4, 5, 6, 7], 4) == {0: 1, 1: 1, 2: 1, 3: 1}  # the second node of two
+
+
+def test_the_gpu_memory_estimate_counts_the_ranks_that_share_each_gpu(tiny) -> None:
+    store, dataset, partition = tiny
+    config = TrainConfig(device="cuda")
+    gpus = [Gpu(0, "GPU A", 80 * 10**9, 70 * 10**9), Gpu(1, "GPU B", 80 * 10**9, 70 * 10**9)]
+    estimates = gpu_memory_for(dataset, config, 3, partition.halo_total, [0, 1, 2], gpus)
+    sizes = training_sizes(dataset, config, 3, partition.halo_total)
+    assert [(e.what, e.bytes, gpu.index) for e, gpu in estimates] == [
+        ("training 2 rank(s) on GPU 0 (GPU A)", gpu_estimate(sizes, "", 2).bytes, 0),
+        ("training 1 rank(s) on GPU 1 (GPU B)", gpu_estimate(sizes, "", 1).bytes, 1)]
+    assert gpu_memory_for(dataset, config, 3, partition.halo_total, [0, 1, 2], []) == []
 
 
 # --------------------------------------------------------------------------- with a GPU

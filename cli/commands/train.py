@@ -120,7 +120,12 @@ def show_preview(preview: Preview) -> None:
     for estimate in preview.estimates:
         rows.append(["memory", f"{estimate.what}: about {human_bytes(estimate.bytes)}"])
     rows.append(["available", f"{human_bytes(preview.available)} now: "
-                              + ("fits" if preview.fits else "does not fit, the command would be refused")])
+                              + ("fits" if all(e.bytes <= preview.available for e in preview.estimates)
+                                 else "does not fit, the command would be refused")])
+    for estimate, gpu in preview.gpu_estimates:
+        fits = "fits" if estimate.bytes <= gpu.free else "does not fit, the command would be refused"
+        rows.append(["GPU memory", f"{estimate.what}: about {human_bytes(estimate.bytes)}; "
+                                   f"{human_bytes(gpu.free)} free now: {fits}"])
     print_table("dry run: nothing is built, trained or written", ["", "plan"], rows)
     if not preview.fits:
         raise typer.Exit(2)
