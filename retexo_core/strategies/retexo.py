@@ -61,8 +61,8 @@ class LayerResult:
     best_val: float
     rounds: int  # rounds trained (fewer than configured after early stopping)
     recipe: dict[str, object]  # the candidate chosen on validation and every candidate's score (empty: no search)
-    loop_rounds: int = 0  # rounds every candidate trained, and the seconds they took (the round loops only,
-    loop_seconds: float = 0.0  # validation included; without the halo exchange, aggregation and outputs)
+    loop_rounds: int = 0  # rounds all the layer's candidates trained
+    loop_seconds: float = 0.0  # their round loops' seconds (validation included; no exchange, aggregation, outputs)
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
