@@ -207,7 +207,8 @@ def test_rank_0_reports_its_rounds_with_val_accuracy_and_the_bytes_of_all_ranks(
     seen = []
     run_training(plan, IN_PROCESS, on_round=seen.append)
     assert {(p.layer, p.total) for p in seen} == {(1, 3), (2, 2)}
-    assert [(p.layer, p.done) for p in seen if p.done == p.total] == [(1, 3), (2, 2)]
+    # a last round may be heard twice: again when a peer's final byte count lands after rank 0's file
+    assert sorted({(p.layer, p.done) for p in seen if p.done == p.total}) == [(1, 3), (2, 2)]
     assert all(p.val_acc is not None and 0 <= p.val_acc <= 1 for p in seen)
     assert [p.bytes_sent for p in seen] == sorted(p.bytes_sent for p in seen) and seen[-1].bytes_sent > 0
     assert all(progress_path(plan.store_root, plan.run_fp, layer, rank).is_file() for layer in (1, 2)
