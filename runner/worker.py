@@ -24,12 +24,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -109,11 +110,40 @@ def start_heartbeat(job: WorkerJob, rank: int) -> None:
     threading.Thread(target=beat, name="retexo-heartbeat", daemon=True).start()
 
 
+def listening_socket(addr: str, port: int) -> int:
+    """A TCP socket bound to ``addr:port`` only (not every interface), listening; its file descriptor,
+    which the caller owns. ``OSError`` when the address is taken or not this machine's."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+    server = socket.socket(family, kind, proto)
+    try:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(where)
+        server.listen(socket.SOMAXCONN)
+    except OSError:
+        server.close()
+        raise
+    return server.detach()
+
+
 def connect_rendezvous(job: WorkerJob, host: bool, **options: object):  # -> torch.distributed.TCPStore
-    """The launch's key-value store at ``master_addr:master_port``, hosted by this process when ``host``."""
+    """The launch's key-value store at ``master_addr:master_port``, hosted by this process when ``host``.
+    The host listens on ``master_addr`` only: torch's own server would listen on every interface."""
     import torch.distributed as dist
 
-    return dist.TCPStore(job.master_addr, job.master_port, is_master=host, timeout=job.timeout, **options)
+    if not host:
+        return dist.TCPStore(job.master_addr, job.master_port, is_master=False, timeout=job.timeout, **options)
+    try:
+        fd = listening_socket(job.master_addr, job.master_port)
+    except OSError as exc:
+        raise dist.DistNetworkError(f"cannot listen on {job.master_addr}:{job.master_port}: {exc}") from exc
+    try:
+        return dist.TCPStore(job.master_addr, job.master_port, is_master=True, timeout=job.timeout,
+                             master_listen_fd=fd, **options)
+    except BaseException:
+        with suppress(OSError):  # closed already if the server had taken it
+            os.close(fd)
+        raise
 
 
 def join_process_group(job: WorkerJob, rank: int):  # -> torch.distributed.TCPStore
