@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,27 +122,43 @@ class Agreement:
     start_layer: int
 
 
-def options_digest(payload: str) -> int:
-    """A 63-bit digest of the training options' canonical JSON, compared across sites."""
-    return int.from_bytes(hashlib.sha256(payload.encode()).digest()[:8], "big") >> 1
+def options_digest(payload: object) -> int:
+    """A 63-bit digest of ``payload``'s canonical JSON (training options, or one of them), compared across sites."""
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
-def agree(comm: Communicator, data: PartData, options: str, first_unfinished: int) -> Agreement:
+def agree(comm: Communicator, data: PartData, options: dict[str, object], first_unfinished: int) -> Agreement:
     """Exchange (options digest, features, classes, non-negative, first unfinished layer) with every
-    site; ``SiteMismatch`` names the first site whose options or feature width differ."""
+    site; ``SiteMismatch`` names the first site whose options (and which of them) or feature width differ."""
     mine = torch.tensor([options_digest(options), int(data.x.shape[1]), data.num_classes,
                          int(data.features_nonnegative), first_unfinished], dtype=torch.int64)
     got = comm.exchange([mine if j != comm.rank else None for j in range(comm.world)],
                         [(5,)] * comm.world, torch.int64, "control")
     rows = [mine if j == comm.rank else got[j] for j in range(comm.world)]
+    if any(int(row[0]) != int(mine[0]) for row in rows):  # every site sees the same rows, so all come here
+        raise SiteMismatch(differing_options(comm, options, [int(row[0]) for row in rows]))
     for j, row in enumerate(rows):
-        if int(row[0]) != int(mine[0]):
-            raise SiteMismatch(f"site {j} trains with other options than site {comm.rank}: "
-                               "every site must give the same training options")
         if int(row[1]) != int(mine[1]):
             raise SiteMismatch(f"site {j} has {int(row[1])} features per node, site {comm.rank} {int(mine[1])}")
     return Agreement(num_classes=max(int(r[2]) for r in rows), features_nonnegative=all(int(r[3]) for r in rows),
                      start_layer=min(int(r[4]) for r in rows))
+
+
+def differing_options(comm: Communicator, options: dict[str, object], digests: list[int]) -> str:
+    """One line naming the first site whose options differ from this site's, and the options: every
+    site sends every other its option names' digest and one digest per option (``control`` bytes)."""
+    names = sorted(options)
+    mine = torch.tensor([options_digest(names)] + [options_digest([k, options[k]]) for k in names], dtype=torch.int64)
+    got = comm.exchange_variable([mine if j != comm.rank else mine[:0] for j in range(comm.world)], "control")
+    other = next(j for j, digest in enumerate(digests) if digest != digests[comm.rank])
+    theirs = got[other]
+    head = f"site {other} trains with other options than site {comm.rank}"
+    if theirs.numel() != mine.numel() or int(theirs[0]) != int(mine[0]):
+        return f"{head}: another version of retexo (other option names); every site must run the same version"
+    differ = [k for k, a, b in zip(names, mine[1:].tolist(), theirs[1:].tolist()) if a != b]
+    here = ", ".join(f"{k} (here: {json.dumps(options[k], default=str)})" for k in differ)
+    return f"{head}: {here}; every site must give the same training options"
 
 
 def gather_traffic(comm: Communicator, rows: pa.Table, network: NetworkModel) -> dict[str, object] | None:

@@ -220,7 +220,6 @@ def meet_sites(comm: Communicator, job: WorkerJob, data: PartData) -> tuple[Part
     then the owners of its remote sources are discovered. Returns this site's part of the K-part graph and
     the stages to train."""
     import dataclasses
-    import json
 
     from graphstore.lookup import layer_fp_of
     from retexo_core.sites import SITE_EPOCH, agree, discover_owners, with_owners
@@ -228,7 +227,7 @@ def meet_sites(comm: Communicator, job: WorkerJob, data: PartData) -> tuple[Part
     comm.layer, comm.epoch = 0, SITE_EPOCH
     unfinished = [s.layer for s in job.stages if layer_fp_of(Path(s.target)) != s.fp]
     first = min(unfinished, default=job.config.layers + 1)
-    agreed = agree(comm, data, json.dumps(job.config.run_payload(), sort_keys=True), first)
+    agreed = agree(comm, data, job.config.run_payload(), first)
     data = with_owners(data, comm.rank, comm.world, discover_owners(comm, data.node_id, data.halo_id))
     comm.epoch = -1
     data = dataclasses.replace(data, num_classes=agreed.num_classes, features_nonnegative=agreed.features_nonnegative)

@@ -190,7 +190,9 @@ def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[P
     done = run_together([site_train(s, 2, port, stores[s], "--lr", 0.01 * (s + 1)) for s in range(2)],
                         {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}, TIMEOUT_S)
     assert all(p.returncode not in (0, None) for p in done)
-    assert any("trains with other options" in p.stderr for p in done), [p.stderr[-1500:] for p in done]
+    # each site names the other and the option, with its own value
+    assert any("site 1 trains with other options than site 0: lr (here: 0.01)" in p.stderr for p in done), \
+        [p.stderr[-1500:] for p in done]
     assert not list(stores[0].glob("runs/run=*/layer=*"))  # nothing was committed
 
 
