@@ -85,6 +85,10 @@ class RendezvousTimeout(RuntimeError):
     """The process group did not form in time: some rank never reached the rendezvous."""
 
 
+class RankTaken(RuntimeError):
+    """Another process joined this launch's rendezvous with the same rank first."""
+
+
 def error_file(job: WorkerJob, rank: int) -> Path:
     return Path(job.error_dir) / f"rank-{rank}.txt"
 
@@ -154,6 +158,9 @@ def join_process_group(job: WorkerJob, rank: int):  # -> torch.distributed.TCPSt
     marker(job, rank, "joining").touch()
     try:
         rendezvous = connect_rendezvous(job, host=rank == 0 and not job.launcher_hosts_rendezvous)
+        if rendezvous.add(f"retexo/seat/{rank}", 1) > 1:  # a seat per rank: the second claimant is refused
+            raise RankTaken(f"rank {rank} is taken: another process joined {job.master_addr}:{job.master_port} "
+                            f"as rank {rank} first (each site or node needs its own --rank / --node-rank)")
         dist.init_process_group("gloo", store=dist.PrefixStore("gen0", rendezvous), rank=rank,
                                 world_size=job.world, timeout=job.timeout)
     except RuntimeError as exc:

@@ -196,6 +196,23 @@ def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[P
     assert not list(stores[0].glob("runs/run=*/layer=*"))  # nothing was committed
 
 
+def test_a_second_site_with_a_taken_rank_is_refused_and_the_others_train(
+        tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    _, site_tables = tables
+    seats = [0, 1, 2, 1]  # the last one is a copy of site 1 that also says --rank 1
+    stores = [tmp_path / f"store{k}" for k in range(len(seats))]
+    for store, s in zip(stores, seats):
+        ingest(store, site_tables[s], "cora-site", remote=True)
+    port = free_port()
+    done = run_together([site_train(s, SITES, port, store, "--timeout", 60) for store, s in zip(stores, seats)],
+                        {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}, TIMEOUT_S)
+    refused = [k for k, p in enumerate(done) if "rank 1 is taken: another process joined" in p.stderr]
+    assert len(refused) == 1 and seats[refused[0]] == 1, [p.stderr[-1500:] for p in done]
+    assert done[refused[0]].returncode not in (0, None)
+    assert [p.returncode for k, p in enumerate(done) if k != refused[0]] == [0, 0, 0], \
+        [p.stderr[-1500:] for p in done]
+
+
 def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
     _, site_tables = tables
     stores = [tmp_path / f"store{s}" for s in range(SITES)]
