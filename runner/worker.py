@@ -130,13 +130,16 @@ def listening_socket(addr: str, port: int) -> int:
     return server.detach()
 
 
-def connect_rendezvous(job: WorkerJob, host: bool, **options: object):  # -> torch.distributed.TCPStore
-    """The launch's key-value store at ``master_addr:master_port``, hosted by this process when ``host``.
+def connect_rendezvous(job: WorkerJob, host: bool, timeout: timedelta | None = None,
+                       **options: object):  # -> torch.distributed.TCPStore
+    """The launch's key-value store at ``master_addr:master_port``, hosted by this process when ``host``
+    (a client's operations wait up to ``timeout``, by default the job's).
     The host listens on ``master_addr`` only: torch's own server would listen on every interface."""
     import torch.distributed as dist
 
     if not host:
-        return dist.TCPStore(job.master_addr, job.master_port, is_master=False, timeout=job.timeout, **options)
+        return dist.TCPStore(job.master_addr, job.master_port, is_master=False, timeout=timeout or job.timeout,
+                             **options)
     try:
         fd = listening_socket(job.master_addr, job.master_port)
     except OSError as exc:
@@ -322,7 +325,7 @@ def train_in_process(job: WorkerJob, rank: int) -> None:
             else:
                 marker(job, rank, "joined").touch()
             prefetch_import("torch._dynamo")  # torch.optim imports it at its first use (about 1 s of CPU)
-            run_rank(job, rank, transport, rendezvous)
+            run_watched(job, rank, transport, rendezvous)
         except BaseException:
             error_file(job, rank).write_text(traceback.format_exc())
             logging.getLogger("retexo.worker").exception("worker failed")
@@ -333,6 +336,27 @@ def train_in_process(job: WorkerJob, rank: int) -> None:
             if job.audit_dir:
                 Path(job.audit_dir, f"rank-{rank}.txt").write_text("\n".join(opened) + "\n")
     exit_now()
+
+
+def run_watched(job: WorkerJob, rank: int, transport: Transport | None, rendezvous: object) -> None:
+    """``run_rank``; a site's rank also beats and watches the other sites (``runner.site_watch``),
+    so that a failed collective names the site that went away and a frozen site stops the run."""
+    if not (job.site and job.world > 1):
+        run_rank(job, rank, transport, rendezvous)
+        return
+    from runner.site_watch import SiteWatch, end_process
+
+    watch = SiteWatch(lambda timeout: connect_rendezvous(job, host=False, timeout=timeout), rank, job.world,
+                      job.config.hang_timeout_s, lambda line: end_process(str(error_file(job, rank)), line))
+    try:
+        run_rank(job, rank, transport, rendezvous)
+    except RuntimeError as exc:
+        lost = watch.lost(exc)
+        if lost is not None:
+            raise lost from exc
+        raise
+    finally:
+        watch.finish()
 
 
 def prefetch_import(module: str) -> None:

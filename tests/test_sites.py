@@ -10,7 +10,9 @@ file of another site's store.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -230,11 +233,15 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.2)
         procs[1].kill()  # site 1's command dies during layer 2; its worker follows
-        codes = [p.wait(timeout=120) for p in procs]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        codes = [p.returncode for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert codes[1] == -9 and codes[0] != 0 and codes[2] != 0
+    for s in (0, 2):  # each other site names the one that went away, in its one error line
+        line = errors[s].strip().splitlines()[-1]
+        assert line.startswith("error: ") and "site 1 (rank 1) went away: no heartbeat" in line, errors[s][-1500:]
     runs = [next(store.glob("runs/run=*")) for store in stores]
     assert all(not (run / "layer=2").exists() and not list(run.glob(".tmp-*")) for run in runs)
     layer_1 = [(run / "layer=1" / "manifest.json").read_bytes() for run in runs]
@@ -249,3 +256,45 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
         events = sorted((run / "events").glob("*.json"))
         assert [json.loads(e.read_text())["event"] for e in events][-1] == "completed"
     assert read_manifest(runs[0], RunManifest).test_acc is not None
+
+
+def test_a_frozen_site_is_named_at_the_others_before_the_timeout(tables: tuple[Path, list[Path]],
+                                                                   tmp_path: Path) -> None:
+    """Site 1's machine stops (its command and worker get SIGSTOP) during layer 2: the others stop
+    after the hang timeout (5 s here), not after --timeout (300 s), and name site 1."""
+    _, site_tables = tables
+    stores = [tmp_path / f"store{s}" for s in range(SITES)]
+    for s in range(SITES):
+        ingest(stores[s], site_tables[s], "cora-site", remote=True)
+    env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
+    options = ("--rounds", "30,150", "--hang-timeout", 5, "--timeout", 300)
+    port = free_port()
+    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *options), cwd=REPO, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s in range(SITES)]
+    frozen = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(list(store.glob("runs/run=*/layer=1/manifest.json")) for store in stores):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        site_1 = psutil.Process(procs[1].pid)
+        frozen = [site_1, *site_1.children(recursive=True)]
+        for process in frozen:
+            process.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        errors = {s: procs[s].communicate(timeout=120)[1] for s in (0, 2)}
+        took = time.monotonic() - stopped
+    finally:
+        for process in frozen:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert took < 60, took  # the hang timeout and a few beats, never --timeout
+    for s, error in errors.items():
+        line = error.strip().splitlines()[-1]
+        assert procs[s].returncode != 0 and line.startswith("error: "), error[-1500:]
+        assert "site 1 (rank 1): no heartbeat for 5 s (frozen" in line, error[-1500:]
+
