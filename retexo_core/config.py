@@ -71,6 +71,10 @@ class TrainConfig(BaseModel):
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
     dropout: float = option(0.5, "Dropout rate (layer-wise training: on the aggregated inputs of a layer; "
                             "end-to-end: on every block's input).", scope="layer", ge=0, lt=1)
+    attention_dropout: float = option(
+        0.0, "GAT: dropout rate on the attention coefficients (PyG's GAT example drops them at its dropout "
+        "rate; off by default: it lost validation accuracy on two graphs of the development suite).",
+        scope="layer", ge=0, lt=1)
     weight_decay: float = option(5e-4, "Adam weight decay.", scope="layer", ge=0)
     weight_decay_layers: Literal["first", "all"] = option(
         "first", "Layers whose parameters get the weight decay: first (Kipf & Welling) or all.", scope="layer")

@@ -243,15 +243,17 @@ def _drop(x: Features, p: float, gen: torch.Generator | None, training: bool) ->
 
 class Block(nn.Module):
     """``conv -> ReLU`` (hidden; ``conv -> LayerNorm -> ReLU`` with ``norm``) or ``conv`` (last layer);
-    dropout rate ``dropout``. With ``skip`` (GCN, GAT) the conv's output gets a linear transform of
+    dropout rate ``dropout`` on the inputs (GAT: ``attention_dropout`` on the attention coefficients
+    too). With ``skip`` (GCN, GAT) the conv's output gets a linear transform of
     the node's own input row added (``skip``: in -> out, no bias), as SAGE's root weight does: the
     node's own features are not mixed into its neighbours' (it needs no other rows)."""
 
     def __init__(self, model: ModelName, in_dim: int, out_dim: int, heads: int, dropout: float, last: bool,
-                 norm: bool = False, skip: bool = False):
+                 norm: bool = False, skip: bool = False, attention_dropout: float = 0.0):
         super().__init__()
         self.model = model
         self.p = dropout
+        self.attention_p = attention_dropout
         self.out_dim = out_dim
         self.last = last
         self.conv = make_conv(model, in_dim, out_dim, heads, last)
@@ -259,8 +261,9 @@ class Block(nn.Module):
         self.skip = glorot_linear(in_dim, out_dim) if skip and model != "sage" else None
 
     # -- propagation -----------------------------------------------------------------------
-    def propagate(self, x: Features, graph: LocalGraph) -> torch.Tensor:
-        """(N, in) local inputs -> (n, out) conv outputs of the graph's target rows (before norm)."""
+    def propagate(self, x: Features, graph: LocalGraph, gen: torch.Generator | None = None) -> torch.Tensor:
+        """(N, in) local inputs -> (n, out) conv outputs of the graph's target rows (before norm);
+        ``gen`` draws GAT's attention dropout while training."""
         conv, adj, n = self.conv, graph.adj, graph.num_owned
         skip = 0.0 if self.skip is None else matmul(graph.own_rows(x), self.skip.weight.t())
         if self.model == "gcn":
@@ -272,7 +275,8 @@ class Block(nn.Module):
         h = matmul(x, conv.lin.weight.t()).view(-1, heads, channels)
         a_src = (h * conv.att_src).sum(-1)
         a_dst = (graph.own_rows(h) * conv.att_dst).sum(-1)
-        out = gat_aggregate(adj, h, a_src, a_dst, conv.negative_slope)
+        out = gat_aggregate(adj, h, a_src, a_dst, conv.negative_slope,
+                            self.attention_p if self.training else 0.0, gen)
         out = out.reshape(n, heads * channels) if conv.concat else out.mean(dim=1)
         return out + conv.bias + skip
 
@@ -283,7 +287,7 @@ class Block(nn.Module):
 
     def forward(self, x: Features, graph: LocalGraph, gen: torch.Generator | None = None) -> torch.Tensor:
         """(N, in) local inputs -> (n, out): dropout on the inputs, propagation, norm and ReLU."""
-        return self.finish(self.propagate(_drop(x, self.p, gen, self.training), graph))
+        return self.finish(self.propagate(_drop(x, self.p, gen, self.training), graph, gen))
 
     # -- layer-wise training on frozen inputs ---------------------------------------------
     def from_aggregated(self, agg: Aggregated, gen: torch.Generator | None = None) -> torch.Tensor:
@@ -319,11 +323,13 @@ def layer_dims(in_dim: int, hidden: int, num_classes: int, layers: int) -> list[
 
 
 def build_blocks(model: ModelName, in_dim: int, hidden: int, num_classes: int, layers: int, heads: int,
-                 dropout: float, seed: int = 0, norm: bool = False, skip: bool = False) -> nn.ModuleList:
+                 dropout: float, seed: int = 0, norm: bool = False, skip: bool = False,
+                 attention_dropout: float = 0.0) -> nn.ModuleList:
     """The full model as a list of blocks (standard / centralized / varco / tma / grappa)."""
     dims = layer_dims(in_dim, hidden, num_classes, layers)
     with seeded(seed):
         return nn.ModuleList(
-            Block(model, i, o, heads, dropout, last=(k == layers - 1), norm=norm, skip=skip)
+            Block(model, i, o, heads, dropout, last=(k == layers - 1), norm=norm, skip=skip,
+                  attention_dropout=attention_dropout)
             for k, (i, o) in enumerate(dims)
         )

@@ -392,7 +392,8 @@ def sparse_dropout(a: SparseMatrix, p: float, generator: torch.Generator | None,
 
 
 def gat_aggregate(adj: SparseMatrix, h: Tensor, a_src: Tensor, a_dst: Tensor,
-                  negative_slope: float = 0.2) -> Tensor:
+                  negative_slope: float = 0.2, attention_dropout: float = 0.0,
+                  generator: torch.Generator | None = None) -> Tensor:
     """Multi-head graph attention (GAT) aggregation over a CSR adjacency.
 
     adj: (n, N) structure, rows = targets, columns = sources (values ignored); self loops are
@@ -400,7 +401,8 @@ def gat_aggregate(adj: SparseMatrix, h: Tensor, a_src: Tensor, a_dst: Tensor,
     h: (N, H, C) transformed source features; a_src: (N, H) source logits; a_dst: (n, H) target
         logits.
     For every stored edge i <- j: ``e_ij = leaky_relu(a_src[j] + a_dst[i])``; ``alpha`` is the
-    softmax of ``e`` over row i, per head; ``out[i, k] = sum_j alpha_ijk h[j, k]``. Rows without
+    softmax of ``e`` over row i, per head, then :func:`dropout` at rate ``attention_dropout`` (drawn
+    from ``generator``; 0 when not training); ``out[i, k] = sum_j alpha_ijk h[j, k]``. Rows without
     edges give zeros. Returns (n, H, C), differentiable w.r.t. ``h``, ``a_src`` and ``a_dst``.
     Memory per edge is O(H); the aggregation is one :func:`spmm` per head.
     """
@@ -418,7 +420,7 @@ def gat_aggregate(adj: SparseMatrix, h: Tensor, a_src: Tensor, a_dst: Tensor,
     weight = torch.exp(logits - peak.index_select(0, row))
     total = torch.zeros(n, heads, dtype=logits.dtype, device=logits.device).index_add(0, row, weight)
     # every row with an edge has total >= 1 (its peak contributes exp(0)); (H, E) so each head is contiguous
-    alpha = (weight / total.index_select(0, row)).t().contiguous()
+    alpha = dropout((weight / total.index_select(0, row)).t().contiguous(), attention_dropout, generator, True)
     # unbind (not indexing per head): its backward stacks the per-head gradients in one allocation
     outs = [spmm(adj.with_values(alpha_k), h_k) for alpha_k, h_k in zip(alpha.unbind(0), h.unbind(1))]
     return torch.stack(outs, dim=1) if outs else h.new_zeros(n, 0, h.shape[2])

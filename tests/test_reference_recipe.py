@@ -42,7 +42,8 @@ def cora(tmp_path_factory: pytest.TempPathFactory):
 def project_recipe(recipe: PlainRecipe, model: str) -> TrainConfig:
     """The reference's recipe as ``centralized`` training options (dropout off, every epoch evaluated)."""
     return TrainConfig(strategy="centralized", model=model, recipe="default", hidden=HIDDEN, epochs=recipe.epochs, lr=recipe.lr,
-                       dropout=recipe.dropout, weight_decay=recipe.weight_decay,
+                       dropout=recipe.dropout, attention_dropout=recipe.attention_dropout,
+                       weight_decay=recipe.weight_decay,
                        weight_decay_layers=recipe.decay_layers, norm="none", eval_every=1, seed=0, timeout_s=120,
                        normalize_features="rows" if recipe.normalize else "none")
 

@@ -284,3 +284,21 @@ def test_sparse_rows_codec_empty_blocks(compression: str) -> None:
     assert decode_rows(payload, 3, 6, compression).nnz == 0  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         decode_rows(payload[:-1], 3, 6, compression)  # type: ignore[arg-type]
+
+
+def test_gat_attention_dropout_drops_whole_coefficients() -> None:
+    """Equal logits give alpha = 1 / degree; dropout at 0.5 keeps each coefficient (scaled by 2) or
+    drops it, so with h = 1 every row's output is 2 x (kept edges) / degree; the same seed draws the
+    same coefficients, and rate 0 is the plain aggregation."""
+    adj, _ = _random_sparse(20, 30, 0.3, seed=21)
+    degree = torch.bincount(adj.row_index(), minlength=20).double()
+    h = torch.ones(30, 2, 1)
+    zeros_src, zeros_dst = torch.zeros(30, 2), torch.zeros(20, 2)
+    plain = gat_aggregate(adj, h, zeros_src, zeros_dst)
+    assert torch.equal(gat_aggregate(adj, h, zeros_src, zeros_dst, 0.2, 0.0, torch.Generator().manual_seed(3)), plain)
+    out = gat_aggregate(adj, h, zeros_src, zeros_dst, 0.2, 0.5, torch.Generator().manual_seed(3))
+    kept = out.squeeze(2).double() * degree[:, None] / 2
+    assert torch.allclose(kept, kept.round(), atol=1e-4)  # whole coefficients, kept or dropped
+    assert not torch.allclose(out, plain)
+    again = gat_aggregate(adj, h, zeros_src, zeros_dst, 0.2, 0.5, torch.Generator().manual_seed(3))
+    assert torch.equal(out, again)

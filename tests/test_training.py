@@ -153,6 +153,28 @@ def test_gcn_normalisation_equals_pyg_gcn_norm() -> None:
     torch.testing.assert_close(ours.propagate(x, graph), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_gat_attention_dropout_acts_only_while_training() -> None:
+    """A GAT block with --attention-dropout equals the same block without it in eval mode; while
+    training (input dropout off) it draws its masks from the generator: same seed, same output."""
+    from retexo_core.halo import in_degree
+    from retexo_core.models import local_graph
+
+    rng = np.random.default_rng(1)
+    src, dst = rng.integers(0, 30, 150), rng.integers(0, 30, 150)
+    graph = local_graph("gat", src, dst, torch.from_numpy(in_degree(30, src, dst)), 30)
+    x = torch.randn(30, 8)
+    torch.manual_seed(0)
+    plain = Block("gat", 8, 8, 2, 0.0, last=False)
+    dropping = Block("gat", 8, 8, 2, 0.0, last=False, attention_dropout=0.5)
+    dropping.load_state_dict(plain.state_dict())
+    plain.eval(), dropping.eval()
+    assert torch.equal(dropping(x, graph), plain(x, graph))
+    plain.train(), dropping.train()
+    first = dropping(x, graph, torch.Generator().manual_seed(5))
+    assert torch.equal(first, dropping(x, graph, torch.Generator().manual_seed(5)))
+    assert not torch.allclose(first, plain(x, graph, torch.Generator().manual_seed(5)))
+
+
 def test_weight_decay_reaches_only_the_first_block_by_default() -> None:
     """Kipf & Welling's recipe: with zero loss gradients, one Adam step moves the first block's
     parameters (weight decay) and leaves the others exactly where they were."""

@@ -97,7 +97,8 @@ def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
     cfg = ctx.config
     return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads,
-                        cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm, skip=cfg.skip).to(ctx.device)
+                        cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm, skip=cfg.skip,
+                        attention_dropout=cfg.attention_dropout).to(ctx.device)
 
 
 def new_optimizer(cfg: TrainConfig, blocks: nn.ModuleList) -> torch.optim.Adam:

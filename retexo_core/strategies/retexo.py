@@ -158,7 +158,7 @@ def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
     _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.data.num_classes, cfg.layers)[layer - 1]
     with seeded(cfg.seed * 1000 + layer):
         block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm,
-                      skip=cfg.skip)
+                      skip=cfg.skip, attention_dropout=cfg.attention_dropout)
         return LayerWithHead(block, ctx.data.num_classes).to(ctx.device)
 
 
