@@ -22,6 +22,7 @@ threads of this process (``--launcher threads``: the same bytes and results as p
 
     .venv/bin/python benchmarks/accuracy.py [--seeds 3]
     .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--out FILE]
+    .venv/bin/python benchmarks/accuracy.py --tables FILE... [--write-docs]   # parts run side by side (merged)
 """
 
 from __future__ import annotations
@@ -111,17 +112,43 @@ def reference_once(dataset: DatasetRef, plain: object, model: str, seed: int) ->
     return {"val": run["val_acc"], "test": run["test_acc"], "mb": 0.0}
 
 
+def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the same graph, model and variant (parts run side by side, e.g. by seed) as one row."""
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["graph"], row["model"], row["variant"])
+        if key not in out:
+            out[key] = dict(row)
+            continue
+        have = out[key]
+        total = have["seeds"] + row["seeds"]
+        have.update(val=have["val"] + row["val"], test=have["test"] + row["test"], seeds=total,
+                    mb=(have["mb"] * have["seeds"] + row["mb"] * row["seeds"]) / total,
+                    seconds=have["seconds"] + row["seconds"])
+    return list(out.values())
+
+
+def in_suite_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows by model (GCN, SAGE, GAT), then graph in suite order (other graphs last), then variant."""
+    graphs = [g.name for g in SUITE]
+    variants = list(VARIANTS)
+    return sorted(rows, key=lambda r: (MODELS.index(r["model"]),
+                                       graphs.index(r["graph"]) if r["graph"] in graphs else len(graphs),
+                                       variants.index(r["variant"]) if r["variant"] in variants else len(variants)))
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
 def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list[str], variants: list[str],
-            seeds: int) -> list[dict[str, Any]]:
-    """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed."""
+            seeds: int, first_seed: int = 0) -> list[dict[str, Any]]:
+    """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed
+    (seeds ``first_seed`` ..)."""
     rows = []
     inputs = []  # per seed: (dataset, partition, plain PyG data)
     loaded: dict[str, tuple[Any, ...]] = {}  # by dataset fingerprint: seeds that share a split load it once
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         dataset = (ingest(store, graph, datasets, seed) if datasets is not None
                    else ingest_planetoid(store, REPO / "data" / "cora", "cora"))
         if dataset.fp not in loaded:
@@ -135,7 +162,7 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
             started = time.perf_counter()
             runs = [reference_once(dataset, plain, model, seed) if options is None
                     else train_once(store, dataset, partition, options, model, seed)
-                    for seed, (dataset, partition, plain) in enumerate(inputs)]
+                    for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
             row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
@@ -160,30 +187,65 @@ def checks(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def print_tables(rows: list[dict[str, Any]]) -> None:
+def score_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: test mean ± std over the seeds (validation mean), graph x model by variant."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
-    print("\nTest metric, mean ± std over the seeds (validation mean in brackets); accuracy, or ROC-AUC for "
-          "two classes\n")
-    print("| graph | model | metric | seeds | " + " | ".join(variants) + " |")
-    print("|---|---|---|---|" + "---|" * len(variants))
+    lines = ["| graph | model | metric | seeds | " + " | ".join(variants) + " |",
+             "|---|---|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         cells = [f"{spread(by[(graph, model, v)]['test'])} ({statistics.mean(by[(graph, model, v)]['val']):.3f})"
                  if (graph, model, v) in by else "" for v in variants]
-        seeds = by[(graph, model, variants[0])]["seeds"]
-        metric = by[(graph, model, variants[0])]["metric"]
-        print(f"| {graph} | {model} | {metric} | {seeds} | " + " | ".join(cells) + " |")
-    print("\nMB sent (mean over the seeds)\n")
-    print("| graph | model | " + " | ".join(v for v in variants if v != "reference") + " |")
-    print("|---|---|" + "---|" * len([v for v in variants if v != "reference"]))
+        first = next(by[(graph, model, v)] for v in variants if (graph, model, v) in by)
+        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bytes_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: MB sent, mean over the seeds, graph x model by variant (the reference sends none)."""
+    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "reference"]
+    by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
+    lines = ["| graph | model | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
-        print(f"| {graph} | {model} | " + " | ".join(f"{by[(graph, model, v)]['mb']:,.1f}" for v in variants
-                                                   if v != "reference" and (graph, model, v) in by) + " |")
+        lines.append(f"| {graph} | {model} | " + " | ".join(
+            f"{by[(graph, model, v)]['mb']:,.1f}" if (graph, model, v) in by else "" for v in variants) + " |")
+    return lines
+
+
+def checks_table(rows: list[dict[str, Any]]) -> list[str]:
+    return ["| graph | model | centralized vs reference (≥ −0.5) | retexo vs centralized (≥ −1.0) | "
+            "avg/5 int8 vs retexo (≥ −1.5) |", "|---|---|---|---|---|"] + checks(rows)
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    print("\nTest metric, mean ± std over the seeds (validation mean in brackets); accuracy, or ROC-AUC for "
+          "two classes\n")
+    print("\n".join(score_table(rows)))
+    print("\nMB sent (mean over the seeds)\n")
+    print("\n".join(bytes_table(rows)))
     print("\nChecks (test means, points)\n")
-    print("| graph | model | centralized vs reference (≥ −0.5) | retexo vs centralized (≥ −1.0) | "
-          "avg/5 int8 vs retexo (≥ −1.5) |")
-    print("|---|---|---|---|---|")
-    print("\n".join(checks(rows)))
+    print("\n".join(checks_table(rows)))
+
+
+MARK = "<!-- accuracy --suite: {} -->"
+
+
+def write_block(path: Path, name: str, lines: list[str]) -> None:
+    """Replace the text between ``MARK.format(name + ' start')`` and ``... end`` in ``path``."""
+    text = path.read_text()
+    begin, end = MARK.format(f"{name} start"), MARK.format(f"{name} end")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no '{begin}' ... '{end}' block to write the table into")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+
+
+def write_docs(rows: list[dict[str, Any]]) -> None:
+    """The suite's tables into README.md (scores) and docs/accuracy.md (scores, bytes, checks)."""
+    write_block(REPO / "README.md", "scores", score_table(rows))
+    write_block(REPO / "docs" / "accuracy.md", "scores", score_table(rows))
+    write_block(REPO / "docs" / "accuracy.md", "bytes", bytes_table(rows))
+    write_block(REPO / "docs" / "accuracy.md", "checks", checks_table(rows))
 
 
 def main() -> None:
@@ -194,13 +256,20 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="train seeds FIRST_SEED.. (split FIRST_SEED.. "
+                        "of graphs with official splits), e.g. to add seeds to an earlier --out file")
     parser.add_argument("--store", type=Path, help="store to use (default: a temporary one); runs in it are reused")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--tables", type=Path, nargs="+", help="only print the tables of earlier --out files "
                         "(e.g. of parts of the suite run side by side)")
+    parser.add_argument("--write-docs", action="store_true", help="also write the tables into README.md and "
+                        "docs/accuracy.md (between their '<!-- accuracy --suite: ... -->' marks)")
     args = parser.parse_args()
     if args.tables:
-        print_tables([row for path in args.tables for row in json.loads(path.read_text())])
+        rows = in_suite_order(merged([row for path in args.tables for row in json.loads(path.read_text())]))
+        print_tables(rows)
+        if args.write_docs:
+            write_docs(rows)
         return
     models, variants = args.models.split(","), args.variants.split(",")
     graphs = [g for g in SUITE if args.graphs is None or g.name in args.graphs.split(",")]
@@ -210,11 +279,15 @@ def main() -> None:
         rows = []
         for graph in graphs if args.suite else [SUITE[0]]:
             seeds = min(args.seeds, graph.max_seeds or args.seeds)
-            print(f"{graph.name}: {seeds} seeds, random into {PARTS} parts", flush=True)
-            rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds)
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+            print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
+            rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
+                            args.first_seed)
+            if args.out:  # after every graph, so that a stopped suite keeps what it measured
+                args.out.write_text(json.dumps(rows, indent=1))
+    rows = in_suite_order(rows)
     print_tables(rows)
+    if args.write_docs:
+        write_docs(rows)
     if not args.suite:
         print("\npublished (Retexo README, Cora; centralized model / Retexo): "
               + ", ".join(f"{m} {c:.3f} / {r:.3f}" for m, (c, r) in PUBLISHED.items()))
