@@ -67,7 +67,9 @@ def wait_for_training(proc: subprocess.Popen[str], store: Path, started: bool = 
     parent = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120
     while len(worker_processes(parent)) < WORKERS or (started and not training_started(store, WORKERS)):
-        assert proc.poll() is None and time.monotonic() < deadline, f"training never started: {proc.communicate()}"
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()  # a run of 100,000 rounds would keep communicate() waiting for hours
+            raise AssertionError(f"training never started: {proc.communicate(timeout=30)}")
         time.sleep(0.1)
     return parent.children(recursive=True)
 
