@@ -344,13 +344,14 @@ def run_watched(job: WorkerJob, rank: int, transport: Transport | None, rendezvo
     if not (job.site and job.world > 1):
         run_rank(job, rank, transport, rendezvous)
         return
+    from retexo_core.comm.communicator import CommunicationError
     from runner.site_watch import SiteWatch, end_process
 
     watch = SiteWatch(lambda timeout: connect_rendezvous(job, host=False, timeout=timeout), rank, job.world,
                       job.config.hang_timeout_s, lambda line: end_process(str(error_file(job, rank)), line))
     try:
         run_rank(job, rank, transport, rendezvous)
-    except RuntimeError as exc:
+    except CommunicationError as exc:  # every collective's failure (not a site mismatch: no peer to wait for)
         lost = watch.lost(exc)
         if lost is not None:
             raise lost from exc
