@@ -25,8 +25,9 @@ every epoch) and to the same row on the CPU. The project's runs train the config
 a round costs, not the recipe search.
 
     .venv/bin/python benchmarks/speed.py [--skip-large] [--large-epochs 50]
-    python benchmarks/speed.py --device cuda --cpu-too --large-nodes 1000000 --large-parts 8 --large-hidden 256 \\
-        --large-epochs 200 --cpu-large-rounds 20 --cpu-large-epochs 10     # the GPU table of docs/benchmarks.md
+    python benchmarks/speed.py --device cuda --cpu-too --skip-large --what retexo,centralized   # docs/gpus.md, Cora
+    python benchmarks/speed.py --device cuda --cpu-too --skip-cora --what retexo,centralized --large-nodes 1000000 \\
+        --large-parts 8 --large-hidden 256 --large-epochs 200 --cpu-large-rounds 10 --cpu-large-epochs 4   # and 1M
 
 On the large graph the layer-wise runs train the default 200 rounds per layer and the end-to-end
 ones (and PyG) ``--large-epochs`` epochs; on the CPU of a GPU run, ``--cpu-large-rounds`` and
