@@ -34,9 +34,13 @@ app.command("report")(report_cmd)
 
 
 def add_training_commands(tree: typer.Typer) -> None:
-    """``train``, ``worker``, ``run`` and ``site train`` (see the module docstring)."""
+    """``train``, ``worker``, ``run`` and ``site`` (train, provision, revoke; see the module docstring)."""
     from cli.commands.pipeline import run_cmd
+    from cli.commands.site_keys import provision_cmd, revoke_cmd
     from cli.commands.train import site_app, train_cmd, worker_cmd
+
+    site_app.command("provision")(provision_cmd)
+    site_app.command("revoke")(revoke_cmd)
 
     tree.command("train")(train_cmd)
     tree.command("worker")(worker_cmd)

@@ -68,6 +68,7 @@ class LaunchOptions:
     launcher: Launcher = "processes"
     audit_dir: str | None = None  # record the files each rank opens (residency audit)
     attempts: int = 2
+    kit: str | None = None  # a site's kit folder: the sites link by mutual TLS (``retexo_core.comm.mesh``)
 
     @classmethod
     def from_torchrun(cls, env: Mapping[str, str], master_port: int) -> "LaunchOptions | None":
@@ -197,6 +198,7 @@ def launch_layers(plan: RunPlan, layers: list[int], launch: LaunchOptions, on_la
                 world=plan.world, error_dir=error_dir, master_addr=launch.master_addr, master_port=port,
                 threads=default_threads(len(ranks)), audit_dir=launch.audit_dir, refresh_dirs=refresh,
                 launcher_hosts_rendezvous=plan.config.tolerate_failures, site=plan.site is not None, holds_run=host,
+                kit=launch.kit,
             )
             try:
                 dropped = run_workers(job, ranks, host=launch.node_rank == 0, launcher=launch.launcher, watch=watch)

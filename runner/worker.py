@@ -71,6 +71,7 @@ class WorkerJob:
     holds_run: bool = False  # the launcher keeps the run's store: each worker process holds the run too
     refresh_dirs: tuple[str, ...] = field(default_factory=tuple)  # grappa: partitions of refresh periods 1, 2, ...
     site: bool = False  # one site of several, each with its own store: source_dir is its site partition
+    kit: str | None = None  # a site's kit: sites link by mutual TLS (no rendezvous store, no gloo)
 
     @property
     def timeout(self) -> timedelta:
@@ -174,6 +175,19 @@ def join_process_group(job: WorkerJob, rank: int):  # -> torch.distributed.TCPSt
         raise
     marker(job, rank, "joined").touch()
     return rendezvous
+
+
+def join_sites(job: WorkerJob, rank: int):  # -> tuple[SiteMesh, MeshTransport]
+    """Form the sites' mesh of mutually authenticated TLS links with the job's kit
+    (``retexo_core.comm.mesh``); ``SiteRefused`` (one line) when this site cannot join."""
+    from retexo_core.comm.mesh import MeshTransport, SiteMesh
+    from retexo_core.comm.tls import Kit
+
+    marker(job, rank, "joining").touch()
+    mesh = SiteMesh.form(Kit.open(Path(job.kit or "")), rank, job.world, job.master_addr, job.master_port,
+                         job.config.timeout_s, job.config.hang_timeout_s)
+    marker(job, rank, "joined").touch()
+    return mesh, MeshTransport(mesh)
 
 
 def log_path(store_root: str, run_fp: str, rank: int) -> Path:
@@ -317,20 +331,28 @@ def train_in_process(job: WorkerJob, rank: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(job.threads)
     with core_logs_to_files(), rank_log(job, rank):
+        mesh = None
         try:
             rendezvous, transport = None, None
-            if job.world > 1:
+            if job.world > 1 and job.kit is not None:
+                mesh, transport = join_sites(job, rank)
+            elif job.world > 1:
                 rendezvous = join_process_group(job, rank)
                 transport = GlooTransport()
             else:
                 marker(job, rank, "joined").touch()
             prefetch_import("torch._dynamo")  # torch.optim imports it at its first use (about 1 s of CPU)
-            run_watched(job, rank, transport, rendezvous)
+            if mesh is not None:
+                run_rank(job, rank, transport)  # the mesh names a site that goes away or freezes
+            else:
+                run_watched(job, rank, transport, rendezvous)
         except BaseException:
             error_file(job, rank).write_text(traceback.format_exc())
             logging.getLogger("retexo.worker").exception("worker failed")
             raise
         finally:
+            if mesh is not None:
+                mesh.close()
             if job.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
             if job.audit_dir:

@@ -50,6 +50,11 @@ def own_prefix() -> str:
     return f"rtx{os.getpid()}s"
 
 
+def link_name(i: int) -> str:
+    """The root namespace's end of site ``i``'s link (``sites``): a capture there sees all its traffic."""
+    return f"rv{os.getpid()}h{i}"
+
+
 def _run(*argv: str) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
@@ -70,7 +75,7 @@ def sites(k: int, bandwidth_mbit: float | None = None, subnet: int = 77) -> Iter
         _run("ip", "link", "set", bridge, "up")
         for i in range(k):
             site = Site(f"{own_prefix()}{i}", f"10.{subnet}.{third}.{i + 1}")
-            host_end, site_end = f"rv{tag}h{i}", f"rv{tag}n{i}"
+            host_end, site_end = link_name(i), f"rv{tag}n{i}"
             _run("ip", "netns", "add", site.name)
             made.append(site)
             _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", site_end)

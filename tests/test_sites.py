@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,10 +41,11 @@ from graphstore.layout import Store
 from graphstore.manifests import RunManifest, read_manifest
 from graphstore.parquet_io import features_of, read_table
 from graphstore.runs import read_embeddings
-from netns import netns_missing, sites
+from netns import link_name, netns_missing, sites
 from processes import cpu_share
 from retexo_core.sites import SITE_EPOCH
 from runner.launch import free_port
+from runner.provision import provision
 
 pytestmark = pytest.mark.slow
 SITES = 3
@@ -96,13 +101,45 @@ def ingest(store: Path, folder: Path, name: str, remote: bool) -> None:
                   folder / "features.parquet", TableOptions(remote_sources=remote), SplitFractions())
 
 
-def train_sites(stores: list[Path], audit: Path, port: int, *extra: object) -> list[subprocess.CompletedProcess]:
+def train_sites(stores: list[Path], audit: Path, port: int, *extra: object, kits: Path | None = None,
+                wire: bytearray | None = None) -> list[subprocess.CompletedProcess]:
+    """Every site's ``retexo site train`` (with site r's kit ``kits/site-<r>`` when given); ``wire``
+    receives every frame that crossed site 0's link (its link in the root namespace, else the
+    loopback interface)."""
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0" if netns_missing() is None else "lo"}
-    with hosts(len(stores)) as made:
+    with hosts(len(stores)) as made, capture(link_name(0) if netns_missing() is None else "lo", wire):
         return run_together([host.command(*site_train(s, len(stores), port, stores[s], "--master-addr", made[0].address,
-                                                      "--audit-dir", audit / f"site{s}", *extra))
+                                                      "--audit-dir", audit / f"site{s}", *extra,
+                                                      *(("--kit", kits / f"site-{s}") if kits else ())))
                              for s, host in enumerate(made)], env, TIMEOUT_S,
                             [cpu_share(s, len(made)) for s in range(len(made))])
+
+
+@contextmanager
+def capture(interface: str, wire: bytearray | None) -> Iterator[None]:
+    """While inside: every frame on ``interface`` (both directions, a raw packet socket) is appended
+    to ``wire``; nothing when ``wire`` is None."""
+    if wire is None:
+        yield
+        return
+    tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))  # ETH_P_ALL
+    tap.bind((interface, 0))
+    tap.settimeout(0.2)
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                wire.extend(tap.recv(1 << 16))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join(5)
+        tap.close()
 
 
 def site_train(rank: int, world: int, port: int, store: Path, *options: object) -> list[str]:
@@ -182,6 +219,93 @@ def test_three_sites_with_their_own_stores_train_what_a_central_column_partition
     assert answer.returncode == 0 and str(manifests[1].total_bytes) in answer.stdout, answer.stdout + answer.stderr
     assert "unreadable" not in answer.stderr, answer.stderr  # no empty curves or evaluation files at a site
     assert not (runs[1] / "metrics.parquet").exists() and not (runs[1] / "evaluation.parquet").exists()
+
+
+def planted(site_tables: list[Path], folder: Path) -> tuple[list[Path], np.ndarray]:
+    """The sites' tables with one node of site 1 that site 0 needs (a source of an edge into site 0)
+    given a feature row of distinctive float32 values; the tables and that row."""
+    sources = pq.read_table(site_tables[0] / "edges.parquet").column("src").to_numpy()
+    nodes = pq.read_table(site_tables[1] / "nodes.parquet").column("node_id").to_numpy()
+    node = np.intersect1d(sources, nodes)[0]
+    features = pq.read_table(site_tables[1] / "features.parquet")
+    x = features_of(features, len(features.column("x")[0]))
+    row = (1.0 + np.arange(x.shape[1], dtype=np.float32) / 4096).astype(np.float32)
+    x[features.column("node_id").to_numpy() == node] = row
+    copies = []
+    for s, source in enumerate(site_tables):
+        copy = folder / f"site{s}"
+        shutil.copytree(source, copy)
+        if s == 1:
+            pq.write_table(pa.table({"node_id": features.column("node_id"),
+                                     "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])}),
+                           copy / "features.parquet")
+        copies.append(copy)
+    return copies, row
+
+
+def pieces_on_the_wire(wire: bytearray, row: np.ndarray) -> int:
+    """How many of the 16-byte windows (4 values) of ``row`` appear in the captured frames."""
+    return sum(row[i:i + 4].tobytes() in wire for i in range(0, len(row) - 4, 5))
+
+
+def test_provisioned_sites_train_what_plaintext_sites_train_and_the_wire_shows_no_feature_row(
+        tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    """The same three sites trained twice, over plaintext links and with kits (mutual TLS): the same
+    models, embeddings, evaluation and logged bytes; a capture of site 0's link reads a planted
+    feature row of site 1 in the plaintext run, and none of it in the TLS run."""
+    site_tables, row = planted(tables[1], tmp_path / "tables")
+    provision(tmp_path / "job", "cora-sites", SITES)
+    runs, wires = {}, {}
+    for mode in ("plain", "tls"):
+        stores = [tmp_path / mode / f"store{s}" for s in range(SITES)]
+        for s in range(SITES):
+            ingest(stores[s], site_tables[s], "cora-site", remote=True)
+        wires[mode] = bytearray()
+        done = train_sites(stores, tmp_path / mode / "audit", free_port(), wire=wires[mode],
+                           kits=tmp_path / "job" if mode == "tls" else None)
+        assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-2000:] for p in done]
+        assert ("links to the other sites are plaintext" in done[1].stderr) == (mode == "plain")
+        runs[mode] = [next(store.glob("runs/run=*")) for store in stores]
+    assert pieces_on_the_wire(wires["plain"], row) > 50  # the capture sees the row in clear without TLS
+    assert len(wires["tls"]) > 1_000_000 and pieces_on_the_wire(wires["tls"], row) == 0
+    plain, tls = runs["plain"], runs["tls"]
+    assert read_manifest(tls[0], RunManifest).evaluation == read_manifest(plain[0], RunManifest).evaluation
+    for layer in (1, 2):
+        ours, theirs = (torch.load(r[0] / f"layer={layer}" / "model.pt") for r in (tls, plain))
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+        for s in range(SITES):
+            (ids, ours_e), (their_ids, theirs_e) = (read_embeddings(r[s] / f"layer={layer}" / f"part={s}" / "embeddings.parquet")
+                                                    for r in (tls, plain))
+            assert np.array_equal(ids, their_ids) and np.array_equal(ours_e["full"], theirs_e["full"])
+    for s in range(SITES):
+        assert read_manifest(tls[s], RunManifest).bytes_by_kind == read_manifest(plain[s], RunManifest).bytes_by_kind
+    assert "TLS links to site 1" in (tls[0] / "logs" / "rank-0.log").read_text()
+
+
+def test_provisioned_sites_refuse_a_foreign_certificate_and_a_taken_rank_and_train(
+        tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    """Three provisioned sites, a process with a certificate of another CA and a copy of site 1's kit
+    start together: the foreign one is refused by site 0's TLS handshake, one of the two holders of
+    site 1's certificate is refused as a taken rank, each in one line, and the three sites train."""
+    _, site_tables = tables
+    provision(tmp_path / "job", "cora-sites", SITES)
+    provision(tmp_path / "other", "cora-sites", SITES)  # same job name, another CA
+    seats = [(0, "job"), (1, "job"), (2, "job"), (1, "other"), (1, "job")]
+    stores = [tmp_path / f"store{k}" for k in range(len(seats))]
+    for store, (s, _) in zip(stores, seats):
+        ingest(store, site_tables[s], "cora-site", remote=True)
+    port = free_port()
+    done = run_together([site_train(s, SITES, port, store, "--timeout", 60, "--kit", tmp_path / job / f"site-{s}")
+                         for store, (s, job) in zip(stores, seats)], {**cli_env()}, TIMEOUT_S)
+    last = [p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "" for p in done]
+    assert done[3].returncode != 0 and re.match(
+        r"^error: .*site 1: the TLS handshake with site 0 at 127\.0\.0\.1:\d+ failed: certificate verify failed", last[3]), last
+    taken = [k for k in (1, 4) if "refused this site: rank 1 is taken: site 1 (site-1) joined already" in last[k]]
+    assert len(taken) == 1 and done[taken[0]].returncode != 0, last
+    assert [p.returncode for k, p in enumerate(done) if k not in (3, *taken)] == [0, 0, 0], last
+    site_0_log = next(stores[0].glob("runs/run=*/logs/rank-0.log")).read_text()
+    assert "site 0 refused site 1 (site-1) from 127.0.0.1:" in site_0_log and "rank 1 is taken" in site_0_log
+    assert "the TLS handshake failed" in site_0_log
 
 
 def test_sites_refuse_to_train_with_different_options(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ NETWORK = OptionGroup("network", NetworkModel)
 
 log = logging.getLogger(__name__)
 
+KIT_ENV = "RETEXO_SITE_KIT"  # a site's kit folder, when --kit is not given
 site_app = typer.Typer(help="Train with other sites, each keeping its own store.", no_args_is_help=True)
 
 
@@ -214,24 +215,35 @@ def site_train_cmd(
     master_addr: Annotated[str, typer.Option(help="Address of site 0, where the sites' process group forms.")] = "127.0.0.1",
     master_port: Annotated[int, typer.Option(help="Free TCP port on site 0 for the process group (the same at every site).")] = 29500,
     audit_dir: Annotated[Optional[Path], typer.Option(help="Write the store files this site's rank opens to <dir>/rank-<r>.txt (residency audit).")] = None,
+    kit: Annotated[Optional[Path], typer.Option(envvar=KIT_ENV, help="This site's kit from `retexo site provision`: every byte between sites then crosses mutually authenticated TLS 1.3 links.")] = None,
     store: StoreOption = None,
     **options: Any,
 ) -> None:
     """Train together with other sites, each holding its own store: this site's nodes and the edges
     into them (remote sources by id). Every site runs this command with the same training
     options; only the strategy's counted rows, node ids (discovery) and the coordinator's model,
-    metrics and byte totals leave a site."""
+    metrics and byte totals leave a site. With --kit the sites admit only each other and encrypt
+    every link (see docs/sites.md, Security)."""
+    from retexo_core.comm.tls import Kit
     from runner.lifecycle import LaunchOptions, run_training
     from runner.request import RunRequest, SiteSeat, prepare_run
 
     stop_on_sigterm()
     started = time.perf_counter()
+    if kit is not None:
+        own = Kit.open(kit).identity()
+        if own.rank != rank:
+            raise typer.BadParameter(f"the kit at {kit} is {own}'s, not site {rank}'s", param_hint="--kit")
+    else:
+        err.print(f"site {rank}: no --kit (nor ${KIT_ENV}): the links to the other sites are plaintext and "
+                  "admit anyone who reaches the port; see `retexo site provision`")
     st = open_store(store)
     config = collect(TRAIN, options)
     plan = prepare_run(RunRequest(store=str(st.root), dataset=dataset, train=config, network=collect(NETWORK, options),
                                   site=SiteSeat(rank=rank, world=world)))
     launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port,
-                           audit_dir=str(audit_dir) if audit_dir is not None else None, attempts=1)
+                           audit_dir=str(audit_dir) if audit_dir is not None else None, attempts=1,
+                           kit=str(kit.resolve()) if kit is not None else None)
     if audit_dir is not None:
         audit_dir.mkdir(parents=True, exist_ok=True)
     err.print(f"site {rank} of {world}: run {plan.run_fp} in {st.root}")
