@@ -16,7 +16,13 @@ for the union of the sites' comm logs at that bandwidth and zero latency (tbf ad
 ``foreign_opens`` counts the files a site's rank opened in another site's store, from the
 workers' audit hooks.
 
+``--links plain,tls`` runs every configuration over both kinds of links: plaintext (gloo, no kit)
+and mutually authenticated TLS 1.3 (each site with its kit from ``retexo site provision``; the
+sites' own mesh, ``retexo_core.comm.mesh``), and prints what TLS costs: the shaped run's wall time
+over the plaintext one's (``secure:`` lines).
+
     sudo .venv/bin/python benchmarks/network_emulation.py [--bandwidth-mbit 100] [--sites 4] [--configs a,b]
+        [--links plain|tls|plain,tls]
 
 The last line is ``summary: standard_s=... retexo_s=... retexo_avg_int8_s=...
 standard_measured_over_simulated=... retexo_measured_over_simulated=... foreign_opens=...``
@@ -49,6 +55,7 @@ from graphstore.parquet_io import features_of, read_table  # noqa: E402
 from netns import netns_missing, sites  # noqa: E402
 from processes import run_together  # noqa: E402
 from retexo_core.comm.network import NetworkModel, simulated_seconds  # noqa: E402
+from runner.provision import provision  # noqa: E402
 
 CONFIGS = {
     "standard": ["--strategy", "standard"],
@@ -93,15 +100,18 @@ def pin(site: int):  # -> a preexec_fn
     return lambda: os.sched_setaffinity(0, {cpus[site % len(cpus)]})
 
 
-def run_sites(options: list[str], stores: list[Path], audit: Path, bandwidth_mbit: float | None) -> float:
-    """One training by the sites in namespaces; wall seconds until every site finished."""
+def run_sites(options: list[str], stores: list[Path], audit: Path, bandwidth_mbit: float | None,
+              kits: Path | None = None) -> float:
+    """One training by the sites in namespaces (with the kits ``kits/site-<k>``: over TLS); wall
+    seconds until every site finished."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0", "COLUMNS": "120"}
     with sites(len(stores), bandwidth_mbit) as hosts:
         started = time.perf_counter()
         commands = [site.command(sys.executable, "-m", "cli", "site", "train", "cora-site", "--rank", str(k),
                                  "--world", str(len(stores)), "--master-addr", hosts[0].address,
                                  "--master-port", str(GROUP_PORT), "--timeout", "600",
-                                 "--audit-dir", str(audit / f"site{k}"), "--store", str(stores[k]), *options)
+                                 "--audit-dir", str(audit / f"site{k}"), "--store", str(stores[k]), *options,
+                                 *(["--kit", str(kits / f"site-{k}")] if kits else []))
                     for k, site in enumerate(hosts)]
         done = run_together(commands, env, TIMEOUT_S, [pin(k) for k in range(len(hosts))])
         seconds = time.perf_counter() - started
@@ -127,8 +137,12 @@ def main() -> None:
     parser.add_argument("--sites", type=int, default=4)
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma list of configurations to run (the summary needs {', '.join(SUMMARY.values())})")
+    parser.add_argument("--links", default="plain", help="comma list of plain and tls: the links every configuration runs over")
     args = parser.parse_args()
     chosen = args.configs.split(",")
+    links = args.links.split(",")
+    if not links or any(link not in ("plain", "tls") for link in links):
+        raise SystemExit(f"--links {args.links}: expected plain, tls or plain,tls")
     unknown = [c for c in chosen if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: unknown configuration {unknown[0]!r}; expected some of {', '.join(CONFIGS)}")
@@ -137,34 +151,43 @@ def main() -> None:
         raise SystemExit(f"cannot emulate the network here: {missing}")
     work = Path(tempfile.mkdtemp(prefix="retexo-netem-"))
     templates = site_stores(work, args.sites)
+    kits = work / "job"
+    provision(kits, "netem", args.sites)
     model = NetworkModel(latency_ms=0.0, bandwidth_mbps=args.bandwidth_mbit)
     print(f"Cora, {args.sites} sites in network namespaces, each with its own store, egress shaped to "
           f"{args.bandwidth_mbit:g} Mbit/s (tc tbf)")
-    print("| configuration | MB sent | wall s, unshaped | wall s, shaped | measured comm s | simulated comm s "
+    print("| configuration | links | MB sent | wall s, unshaped | wall s, shaped | measured comm s | simulated comm s "
           "| measured / simulated |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     results: dict[str, tuple[float, float]] = {}
+    shaped_walls: dict[tuple[str, str], float] = {}
     foreign = 0
     for name in chosen:
-        options = CONFIGS[name]
-        walls = {}
-        for shaped in (False, True):
-            label = f"{name}-{'shaped' if shaped else 'free'}"
-            stores = [work / label / f"site{k}" for k in range(args.sites)]
-            for template, store in zip(templates, stores):
-                shutil.copytree(template, store)
-            audit = work / f"audit-{label}"
-            walls[shaped] = run_sites(options, stores, audit, args.bandwidth_mbit if shaped else None)
-            foreign += foreign_opens(audit, stores)
-        runs = [next(store.glob("runs/run=*")) for store in stores]
-        comm = pa.concat_tables([pq.read_table(run / "comm.parquet") for run in runs])  # every site's own rows
-        simulated = simulated_seconds(comm, model)[0]
-        measured = walls[True] - walls[False]
-        ratio = measured / simulated if simulated else float("nan")
-        results[name] = (walls[True], ratio)
-        total = read_manifest(runs[0], RunManifest).total_bytes  # the coordinator's count of the whole run
-        print(f"| {name} | {total / 1e6:,.1f} | {walls[False]:.1f} | {walls[True]:.1f} | {measured:.1f} | "
-              f"{simulated:.1f} | {ratio:.2f} |", flush=True)
+        for link in links:
+            walls = {}
+            for shaped in (False, True):
+                label = f"{name}-{link}-{'shaped' if shaped else 'free'}"
+                stores = [work / label / f"site{k}" for k in range(args.sites)]
+                for template, store in zip(templates, stores):
+                    shutil.copytree(template, store)
+                audit = work / f"audit-{label}"
+                walls[shaped] = run_sites(CONFIGS[name], stores, audit, args.bandwidth_mbit if shaped else None,
+                                          kits if link == "tls" else None)
+                foreign += foreign_opens(audit, stores)
+            runs = [next(store.glob("runs/run=*")) for store in stores]
+            comm = pa.concat_tables([pq.read_table(run / "comm.parquet") for run in runs])  # every site's own rows
+            simulated = simulated_seconds(comm, model)[0]
+            measured = walls[True] - walls[False]
+            ratio = measured / simulated if simulated else float("nan")
+            shaped_walls[(name, link)] = walls[True]
+            if link == links[0]:
+                results[name] = (walls[True], ratio)
+            total = read_manifest(runs[0], RunManifest).total_bytes  # the coordinator's count of the whole run
+            print(f"| {name} | {link} | {total / 1e6:,.1f} | {walls[False]:.1f} | {walls[True]:.1f} | {measured:.1f} | "
+                  f"{simulated:.1f} | {ratio:.2f} |", flush=True)
+        if len(links) == 2:
+            plain, tls = shaped_walls[(name, "plain")], shaped_walls[(name, "tls")]
+            print(f"secure: {name} plain_s={plain:.1f} tls_s={tls:.1f} tls_over_plain={tls / plain:.3f}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     if any(name not in results for name in SUMMARY.values()):
         return

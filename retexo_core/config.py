@@ -110,6 +110,10 @@ class TrainConfig(BaseModel):
     skip_zero_grads: bool = option(False, "Gradient sync: send each all-reduce chunk as a bitmap of its non-zero "
                                    "entries plus those entries when that is shorter (lossless; the lengths go "
                                    "first, 8 B to each peer as control). Only with --compress none.", scope="layer")
+    secure_agg: bool = option(False, "Sites (retexo site train with --kit, 3 sites or more): sum gradients and "
+                              "models under pairwise masks that cancel in the sum, in fixed point (2^-32), so that "
+                              "no site sees another's (secure aggregation; twice the sync bytes). Only with "
+                              "--compress none.", scope="layer")
     bns_rate: float = option(1.0, "standard: fraction of boundary nodes sampled per epoch (BNS-GCN).", scope="run",
                              strategies=("standard",), gt=0, le=1)
     eval_every: int = option(5, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
@@ -199,6 +203,9 @@ class TrainConfig(BaseModel):
         if self.skip_zero_grads and self.compress != "none":
             raise ValueError("skip_zero_grads is a lossless encoding of uncompressed gradients: use it with "
                              "compress none")
+        if self.secure_agg and (self.compress != "none" or self.skip_zero_grads):
+            raise ValueError("secure_agg sums masked fixed-point values: use it with compress none and without "
+                             "skip_zero_grads")
         if self.tolerate_failures and self.strategy != "tma":
             raise ValueError("tolerate_failures is supported by the tma strategy only")
         rounds = self.rounds if isinstance(self.rounds, list) else [self.rounds]

@@ -88,6 +88,8 @@ def prepare_run(request: RunRequest, partitions: PartitionSource = "build", node
     """
     store = Store.open(request.store)
     config = request.train
+    if config.secure_agg and request.site is None:
+        raise RetexoError("--secure-agg masks the sums between sites: use it with `retexo site train`")
     waits = partitions == "build" and node_rank != 0
     dataset = (awaited(lambda: find_dataset(store, request.dataset), f"dataset {request.dataset}", store, wait_s)
                if waits else find_dataset(store, request.dataset))

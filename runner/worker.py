@@ -280,6 +280,10 @@ def run_rank(job: WorkerJob, rank: int, transport: Transport | None, rendezvous:
         data, stages = meet_sites(comm, job, data)
         if not stages:
             return  # every site has every layer
+        if job.config.secure_agg:
+            from retexo_core.comm.secure_agg import PairwiseMasks
+
+            comm.masks = PairwiseMasks.agree(comm)
     sink = RunFolder(job.store_root, job.run_fp, job.config, job.world, stages, job.network if job.site else None)
     refresh = [Path(d) for d in job.refresh_dirs]
     train_stages(comm, data, job.config, [s.layer for s in stages], sink,

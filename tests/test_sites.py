@@ -250,19 +250,21 @@ def pieces_on_the_wire(wire: bytearray, row: np.ndarray) -> int:
 
 def test_provisioned_sites_train_what_plaintext_sites_train_and_the_wire_shows_no_feature_row(
         tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
-    """The same three sites trained twice, over plaintext links and with kits (mutual TLS): the same
-    models, embeddings, evaluation and logged bytes; a capture of site 0's link reads a planted
-    feature row of site 1 in the plaintext run, and none of it in the TLS run."""
+    """The same three sites trained over plaintext links, with kits (mutual TLS), and with kits and
+    --secure-agg: TLS trains the same models, embeddings and evaluation with the same logged bytes;
+    a capture of site 0's link reads a planted feature row of site 1 in the plaintext run and none
+    of it over TLS; secure aggregation trains the same model to within its fixed point, and logs
+    as much again as the gradient sums (int64 against float32) plus the seeds as secure_agg."""
     site_tables, row = planted(tables[1], tmp_path / "tables")
     provision(tmp_path / "job", "cora-sites", SITES)
     runs, wires = {}, {}
-    for mode in ("plain", "tls"):
+    for mode in ("plain", "tls", "secure"):
         stores = [tmp_path / mode / f"store{s}" for s in range(SITES)]
         for s in range(SITES):
             ingest(stores[s], site_tables[s], "cora-site", remote=True)
         wires[mode] = bytearray()
-        done = train_sites(stores, tmp_path / mode / "audit", free_port(), wire=wires[mode],
-                           kits=tmp_path / "job" if mode == "tls" else None)
+        done = train_sites(stores, tmp_path / mode / "audit", free_port(), *(["--secure-agg"] if mode == "secure" else []),
+                           wire=wires[mode], kits=tmp_path / "job" if mode != "plain" else None)
         assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-2000:] for p in done]
         assert ("links to the other sites are plaintext" in done[1].stderr) == (mode == "plain")
         runs[mode] = [next(store.glob("runs/run=*")) for store in stores]
@@ -280,6 +282,17 @@ def test_provisioned_sites_train_what_plaintext_sites_train_and_the_wire_shows_n
     for s in range(SITES):
         assert read_manifest(tls[s], RunManifest).bytes_by_kind == read_manifest(plain[s], RunManifest).bytes_by_kind
     assert "TLS links to site 1" in (tls[0] / "logs" / "rank-0.log").read_text()
+
+    secure = runs["secure"]
+    for layer in (1, 2):
+        ours, theirs = (torch.load(r[0] / f"layer={layer}" / "model.pt") for r in (secure, tls))
+        assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-4) for k in theirs), \
+            max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    masked, unmasked = (read_manifest(r[0], RunManifest) for r in (secure, tls))
+    assert abs(masked.test_acc - unmasked.test_acc) <= 0.01, (masked.test_acc, unmasked.test_acc)
+    seeds = 32 * SITES * (SITES - 1) // 2
+    assert masked.bytes_by_kind["grad_sync"] == unmasked.bytes_by_kind["grad_sync"]
+    assert masked.bytes_by_kind["secure_agg"] == unmasked.bytes_by_kind["grad_sync"] + seeds
 
 
 def test_provisioned_sites_refuse_a_foreign_certificate_and_a_taken_rank_and_train(

@@ -239,6 +239,10 @@ def site_train_cmd(
                   "admit anyone who reaches the port; see `retexo site provision`")
     st = open_store(store)
     config = collect(TRAIN, options)
+    if config.secure_agg and (kit is None or world < 3):
+        raise typer.BadParameter("needs --kit (its pairwise seeds travel over the TLS links) and 3 sites or more "
+                                 "(with two, the sum and a site's own gradient give away the other's)",
+                                 param_hint="--secure-agg")
     plan = prepare_run(RunRequest(store=str(st.root), dataset=dataset, train=config, network=collect(NETWORK, options),
                                   site=SiteSeat(rank=rank, world=world)))
     launch = LaunchOptions(nnodes=world, node_rank=rank, master_addr=master_addr, master_port=master_port,

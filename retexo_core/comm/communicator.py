@@ -25,6 +25,7 @@ import torch.distributed as dist
 from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes, pack_nonzero, unpack_nonzero
 from retexo_core.comm.log import COMPRESSIBLE, CommLog
 from retexo_core.comm.network import NetworkModel
+from retexo_core.comm.secure_agg import MASKED_KINDS, PairwiseMasks, from_fixed, to_fixed
 from retexo_core.comm.transport import GlooTransport, Transport
 from retexo_core.device import CPU, to_host
 
@@ -69,6 +70,7 @@ class Communicator:
         self.layer = 0
         self.epoch = -1
         self.skip_zero_grads = skip_zero_grads  # grad_sync all-reduces send non-zero entries only
+        self.masks: PairwiseMasks | None = None  # secure aggregation of gradient and model sums (sites)
 
     @property
     def rendezvous(self) -> dist.Store | None:
@@ -203,6 +205,8 @@ class Communicator:
         (its owner included) decodes that same payload, so replicas are bit-identical even when
         compressed. The sum is returned on ``tensor``'s device.
         """
+        if self.masks is not None and kind in MASKED_KINDS and self.world > 1:
+            return self.all_reduce_masked(tensor, kind)
         if self.skip_zero_grads and kind == "grad_sync" and self.codec(kind) == "none" and self.world > 1:
             return self.all_reduce_nonzero(tensor, kind)
         op = self.log.new_op()
@@ -226,6 +230,40 @@ class Communicator:
         sent = {j: scatter[j].numel() + reduced.numel() for j in range(self.world) if j != self.rank}
         self._finish(op, kind, {j: b for j, b in sent.items() if b}, hops=2)
         return torch.cat(out).reshape(tensor.shape).to(tensor.device)
+
+    def all_reduce_masked(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """``all_reduce`` under secure aggregation (``retexo_core.comm.secure_agg``): the values go as
+        int64 fixed point plus this rank's pairwise mask, so a chunk's owner sees only masked
+        chunks and everyone the exact fixed-point sum. Logged: the float payload under ``kind``,
+        the excess of int64 over it under ``secure_agg``."""
+        assert self.masks is not None
+        op = self.log.new_op()
+        values = to_host(tensor.detach()).reshape(-1)
+        try:
+            fixed = to_fixed(values, self.world)
+        except OverflowError as exc:
+            raise CommunicationError(f"rank {self.log.rank}: {kind} at layer {self.layer}: {exc}") from exc
+        chunks = list(torch.tensor_split(fixed + self.masks.next_mask(fixed.numel()), self.world))
+        nothing = torch.empty(0, dtype=torch.uint8)
+        scatter = [encode(c, "none") if j != self.rank else nothing for j, c in enumerate(chunks)]
+        sizes = [c.numel() * 8 for c in chunks]
+        got = self._all_to_all(scatter, [sizes[self.rank] if j != self.rank else 0 for j in range(self.world)], kind,
+                               "masked all-reduce")
+        total = chunks[self.rank].clone()
+        for j in range(self.world):
+            if j != self.rank:
+                total += decode(got[j], (sizes[self.rank] // 8,), torch.int64, "none")  # wraps modulo 2**64
+        reduced = encode(total, "none")
+        gathered = self._all_to_all([reduced if j != self.rank else nothing for j in range(self.world)],
+                                    [sizes[j] if j != self.rank else 0 for j in range(self.world)], kind,
+                                    "masked all-reduce")
+        out = [total if j == self.rank else decode(gathered[j], (sizes[j] // 8,), torch.int64, "none")
+               for j in range(self.world)]
+        plain = {j: (chunks[j].numel() + chunks[self.rank].numel()) * values.element_size()
+                 for j in range(self.world) if j != self.rank}
+        self._finish(op, kind, plain, hops=2)
+        self._finish(op, "secure_agg", {j: scatter[j].numel() + reduced.numel() - plain[j] for j in plain}, hops=0)
+        return from_fixed(torch.cat(out), tensor.dtype).reshape(tensor.shape).to(tensor.device)
 
     def all_reduce_nonzero(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
         """``all_reduce`` (uncompressed) whose chunks travel as ``pack_nonzero`` payloads: a bitmap

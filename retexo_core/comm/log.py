@@ -8,10 +8,11 @@ import pyarrow as pa
 
 # Every kind of traffic between workers, in the order of byte tables and of a site's byte totals
 # (the one declaration: the benchmarks' columns and the communicator's codecs derive from it).
-KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control")
+KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control", "secure_agg")
 # The kinds a ``--compression`` codec may encode: every kind but ``control`` (counts, ids, metrics,
-# agreement), which is always sent raw.
-COMPRESSIBLE = frozenset(KINDS) - {"control"}
+# agreement) and ``secure_agg`` (pairwise seeds, and the excess of masked fixed-point sums), which
+# are always sent raw.
+COMPRESSIBLE = frozenset(KINDS) - {"control", "secure_agg"}
 
 COMM_SCHEMA = pa.schema([
     ("op", pa.int64()),          # sequence number of the communication operation on this worker
