@@ -12,6 +12,7 @@ import re
 import resource
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -281,3 +282,57 @@ def test_a_flood_of_idle_connections_does_not_keep_the_sites_apart(job: Path) ->
             conn.close()
         close_all(formed)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_process_without_a_certificate_is_refused_and_the_sites_form(
+        job: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A TLS client that presents no certificate, and a client that speaks no TLS at all (a
+    plaintext ``retexo site train`` reaching the port), are refused; the sites form."""
+    caplog.set_level(logging.WARNING, "retexo.sites")
+    port = free_port()
+    refused: dict[str, BaseException] = {}
+
+    def anonymous() -> None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5)) as tls:
+                    tls.sendall(b"\x01\x00" + b"\x00" * 8)
+                    tls.recv(1)
+                return
+            except ConnectionRefusedError:
+                time.sleep(0.2)
+            except (ssl.SSLError, OSError) as exc:
+                refused["anonymous"] = exc
+                return
+
+    def plaintext() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                    raw.sendall(b"not a TLS hello, a store client's request\n" * 4)
+                    refused["plaintext"] = ConnectionError(raw.recv(64) or "closed")
+                return
+            except ConnectionRefusedError:
+                time.sleep(0.2)
+            except OSError as exc:
+                refused["plaintext"] = exc
+                return
+
+    intruders = [threading.Thread(target=anonymous), threading.Thread(target=plaintext)]
+    for thread in intruders:
+        thread.start()
+    formed = form_all([job / f"site-{r}" for r in range(3)], port)
+    for thread in intruders:
+        thread.join(30)
+    try:
+        assert all(isinstance(m, SiteMesh) for m in formed.values()), formed
+        assert set(refused) == {"anonymous", "plaintext"}, refused
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("the TLS handshake failed: peer did not return a certificate" in line for line in lines), lines
+        assert sum("site 0 refused a connection from 127.0.0.1:" in line for line in lines) >= 2, lines
+    finally:
+        close_all(formed)
