@@ -10,6 +10,7 @@ knob               values tried (the start value first)  config fields it sets
 ``norm``           ``none`` / ``layer``                  ``norm``
 ``decay``          whether this layer gets weight decay  ``weight_decay``, ``weight_decay_layers``
 ``dropout``        0.5 / 0.2                             ``dropout``
+``attention``      0 / 0.5 (GAT)                         ``attention_dropout``
 ``lr``             0.01 / 0.005                          ``lr``
 =================  ====================================  ===============================
 
@@ -21,7 +22,8 @@ searches every layer on its own, from the inputs of its single halo exchange, so
 costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is
 searched as a whole (``features`` and, for ``centralized``, every knob). ``features`` is only
 searched on layer 1 with ``--normalize-features auto`` and non-negative features; ``norm`` is not
-searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one), and
+searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one),
+``attention`` (dropout of the attention coefficients, as PyG's GAT example has it) only for GAT, and
 neither under a warm start (the parameters must fit); layer 1 of layer-wise training always keeps
 its weight decay.
 
@@ -45,6 +47,7 @@ KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("norm", ("none", "layer")),
     ("decay", (True, False)),  # layer-wise: this layer decays; end to end: "first" / "all" layers
     ("dropout", (0.5, 0.2)),
+    ("attention", (0.0, 0.5)),
     ("lr", (0.01, 0.005)),
 )
 KNOB_NAMES = tuple(name for name, _ in KNOBS)
@@ -55,7 +58,7 @@ def knobs_of(config: TrainConfig, layer: int, end_to_end: bool) -> dict[str, Any
     return {"features": "rows" if config.normalize_features == "rows" else "none", "skip": config.skip,
             "norm": config.norm,
             "decay": config.weight_decay_layers if end_to_end else config.decays_layer(layer),
-            "dropout": config.dropout, "lr": config.layer_lr(layer)}
+            "dropout": config.dropout, "attention": config.attention_dropout, "lr": config.layer_lr(layer)}
 
 
 def apply_knobs(config: TrainConfig, layer: int, knobs: dict[str, Any], end_to_end: bool) -> TrainConfig:
@@ -64,7 +67,8 @@ def apply_knobs(config: TrainConfig, layer: int, knobs: dict[str, Any], end_to_e
     values = {**knobs_of(config, layer, end_to_end), **knobs}
     update: dict[str, Any] = {"normalize_features": values["features"], "skip": bool(values["skip"]),
                               "norm": values["norm"],
-                              "dropout": float(values["dropout"]), "lr": float(values["lr"])}
+                              "dropout": float(values["dropout"]), "attention_dropout": float(values["attention"]),
+                              "lr": float(values["lr"])}
     if end_to_end:
         update["weight_decay_layers"] = values["decay"]
     else:
@@ -92,7 +96,8 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
         last = layer == config.layers
         structural = config.warm_start is not None  # the warm-start parameters must fit the block
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
-                  and not (n == "skip" and (config.model == "sage" or structural))]
+                  and not (n == "skip" and (config.model == "sage" or structural))
+                  and not (n == "attention" and config.model != "gat")]
     return names
 
 
@@ -214,6 +219,6 @@ def valid_value(name: str, value: Any) -> bool:
         return value in ("none", "layer")
     if name in ("decay", "skip"):
         return isinstance(value, bool) or (name == "decay" and value in ("first", "all"))
-    if name == "dropout":
+    if name in ("dropout", "attention"):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
