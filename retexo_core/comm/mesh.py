@@ -297,8 +297,8 @@ class Link:
                     raise RuntimeError(f"{self.peer} went away: {self._gone}")
                 now = time.monotonic()
                 if now - self.last_heard > self.hang_timeout_s:
-                    raise RuntimeError(f"{self.peer}: no heartbeat for {now - self.last_heard:.0f} s "
-                                       f"(frozen, or its link is cut)")
+                    self._gone = f"no heartbeat for {now - self.last_heard:.0f} s (frozen, or its link is cut)"
+                    raise RuntimeError(f"{self.peer}: {self._gone}")
                 if now > deadline:
                     raise RuntimeError(f"waited {timeout.total_seconds():g} s for {self.peer} ({op})")
                 self._condition.wait(0.5)
@@ -319,6 +319,8 @@ class Link:
         try:
             while True:
                 with self._condition:
+                    if self._gone is not None:
+                        return  # nothing more can be said to this peer
                     writing = bool(self._out)
                     if self._closing and not writing:
                         self._queue_bye_once(sock)
@@ -410,7 +412,7 @@ class Link:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        self._thread.join(timeout_s)
+        self._thread.join(timeout_s if self._gone is None else 1.0)
         for closing in (self.sock.close, lambda: os.close(self._wake_r), lambda: os.close(self._wake_w)):
             try:
                 closing()
