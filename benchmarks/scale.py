@@ -90,7 +90,7 @@ def measure_size(store: Path, nodes: int, parts: int, models: list[str], device:
     return {"name": name, "nodes": nodes, "edges": edges, "rows": rows, "manifests": manifests}
 
 
-def estimates(store: Path, result: dict, parts: int, models: list[str]) -> dict[str, int]:
+def estimates(store: Path, result: dict, parts: int, models: list[str], on_gpu: bool = False) -> dict[str, int]:
     """The memory estimate each command of ``result`` checks before it starts, in bytes."""
     from graphstore.ingest.synthetic import SyntheticOptions, memory_estimate
     from graphstore.layout import Store
@@ -108,7 +108,7 @@ def estimates(store: Path, result: dict, parts: int, models: list[str]) -> dict[
              "partition": partition_estimate(ref.num_nodes, ref.num_edges, parts)}
     for model in models:
         plan = prepare_run(RunRequest.over(st, ref, partition, TrainConfig(model=model)), partitions="stored")
-        found[f"train {model} (command)"] = training_memory(plan, plan.world)
+        found[f"train {model} (command)"] = training_memory(plan, plan.world, on_gpu)
     return {stage: estimate.bytes for stage, estimate in found.items()}
 
 
@@ -159,8 +159,10 @@ def main() -> None:
             standard = reference(store, small, args.parts, "--strategy", "standard", "--epochs",
                                  str(args.reference_epochs), *device)
             layerwise = reference(store, small, args.parts, "--strategy", "centralized", "--layerwise", *device)
+        from runner.gpus import training_gpus
+
         measured = {"parts": args.parts, "models": models, "results": results, "standard": standard,
-                    "layerwise": layerwise}
+                    "layerwise": layerwise, "on_gpu": bool(training_gpus(args.device))}
         if args.out:
             args.out.write_text(json.dumps(measured, indent=1))
         print_tables(measured, store)
@@ -173,7 +175,7 @@ def print_tables(measured: dict, store: Path) -> None:
           "estimate / measured |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        estimated = estimates(store, r, parts, models)
+        estimated = estimates(store, r, parts, models, measured.get("on_gpu", False))
         for stage, _, tree, _ in r["rows"]:
             if stage in estimated:
                 print(f"| {r['name']} | {r['edges']:,} | {stage} | {gb(estimated[stage])} | {gb(tree)} | "

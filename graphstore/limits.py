@@ -37,6 +37,7 @@ ACTIVATION_COPIES = 2  # end to end, per further layer: the hidden rows and thei
 EDGE_BYTES = 64  # a local edge: its ids as read, the CSR adjacency (int64 column, float32 weight) and its transpose
 ADAM_COPIES = 4  # a parameter, its gradient and Adam's two moments
 CUDA_CONTEXT = 600 * 2**20  # a rank's CUDA context, cuBLAS / cuSPARSE workspaces and the caching allocator's slack
+CUDA_HOST = 200 * 2**20  # what the CUDA runtime adds to a rank's host memory (0.17 GB measured on an H200, 1M nodes)
 
 
 class ResourceError(RetexoError):
@@ -137,7 +138,7 @@ class TrainingSizes:
         return rows + graph + model + transpose
 
 
-def training_estimate(sizes: TrainingSizes) -> Estimate:
+def training_estimate(sizes: TrainingSizes, on_gpu: bool = False) -> Estimate:
     """Training on one machine with ``sizes.workers`` processes, each holding 1/workers of the graph.
 
     Per worker: the process itself (``WORKER_BASE``); ``ROW_COPIES`` rows per owned node (10 % more
@@ -149,9 +150,10 @@ def training_estimate(sizes: TrainingSizes) -> Estimate:
     and the model, whose first layer is F x hidden, ``ADAM_COPIES`` times. A sparse input also keeps
     its transpose's row pointer, (F + 1) int64. The whole tree adds the launching command
     (``COMMAND_BASE``). Calibrated on ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and
-    SAGE; see docs/scale.md).
+    SAGE; see docs/scale.md). Workers that compute ``on_gpu`` also hold the CUDA runtime's host
+    memory (``CUDA_HOST`` each).
     """
-    per_worker = WORKER_BASE + sizes.worker_data()
+    per_worker = WORKER_BASE + sizes.worker_data() + (CUDA_HOST if on_gpu else 0)
     return Estimate(
         f"training with {sizes.workers} worker process(es) ({sizes.features:,} input features, hidden "
         f"{sizes.hidden}) on {sizes.nodes:,} nodes", int(per_worker * sizes.workers + COMMAND_BASE),

@@ -283,7 +283,7 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     local_ranks = len(ranks)
     if launch.launcher == "processes":
         check_worker_processes(local_ranks)
-    check_memory(training_memory(plan, local_ranks), plan.config.force)
+    check_memory(training_memory(plan, local_ranks, on_gpu=bool(gpus)), plan.config.force)
     for estimate, gpu in training_gpu_memory(plan, ranks, gpus):
         check_memory(estimate, plan.config.force, available=gpu.free, where=f"on GPU {gpu.index} now")
     if not host:
@@ -306,10 +306,12 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
     return summary, progress
 
 
-def training_memory(plan: RunPlan, local_ranks: int) -> Estimate:
-    """The memory estimate of this node's ``local_ranks`` workers, from the dataset's manifest, its
-    features file's footer and the partition's halo size (nothing is loaded)."""
-    return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo_total(plan), local_ranks)
+def training_memory(plan: RunPlan, local_ranks: int, on_gpu: bool = False) -> Estimate:
+    """The memory estimate of this node's ``local_ranks`` workers (``on_gpu``: computing on GPUs),
+    from the dataset's manifest, its features file's footer and the partition's halo size (nothing
+    is loaded)."""
+    return memory_for(find_dataset(plan.store, plan.dataset_fp), plan.config, plan.world, halo_total(plan), local_ranks,
+                      on_gpu)
 
 
 def training_gpu_memory(plan: RunPlan, ranks: list[int], gpus: list[Gpu]) -> list[tuple[Estimate, Gpu]]:

@@ -63,10 +63,12 @@ def training_sizes(dataset: DatasetRef, config: TrainConfig, world: int, halo_to
         layerwise=config.is_layerwise)
 
 
-def memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, local_ranks: int) -> Estimate:
-    """The host memory estimate of ``local_ranks`` of ``world`` workers (see ``training_sizes``)."""
+def memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, local_ranks: int,
+               on_gpu: bool = False) -> Estimate:
+    """The host memory estimate of ``local_ranks`` of ``world`` workers (see ``training_sizes``;
+    ``on_gpu``: they compute on GPUs)."""
     sizes = training_sizes(dataset, config, world, halo_total)
-    return training_estimate(sizes).scaled(local_ranks / max(world, 1))
+    return training_estimate(sizes, on_gpu).scaled(local_ranks / max(world, 1))
 
 
 def gpu_memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, ranks: list[int],
@@ -100,6 +102,6 @@ def preview_training(store: Store, dataset: str, options: PartitionOptions, conf
     halo = (0 if whole else
             preview.partition.halo_total if preview.partition is not None else worst_case_halo(ref, options.parts))
     if any(state != "done" for state in preview.layer_states.values()) or preview.plan is None:
-        preview.estimates.append(memory_for(ref, config, world, halo, world))
+        preview.estimates.append(memory_for(ref, config, world, halo, world, on_gpu=bool(gpus)))
         preview.gpu_estimates = gpu_memory_for(ref, config, world, halo, list(range(world)), gpus)
     return preview
