@@ -335,7 +335,7 @@ def train_in_process(job: WorkerJob, rank: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(job.threads)
     with core_logs_to_files(), rank_log(job, rank):
-        mesh = None
+        mesh, failure = None, ""
         try:
             rendezvous, transport = None, None
             if job.world > 1 and job.kit is not None:
@@ -350,13 +350,15 @@ def train_in_process(job: WorkerJob, rank: int) -> None:
                 run_rank(job, rank, transport)  # the mesh names a site that goes away or freezes
             else:
                 run_watched(job, rank, transport, rendezvous)
-        except BaseException:
+        except BaseException as exc:
             error_file(job, rank).write_text(traceback.format_exc())
             logging.getLogger("retexo.worker").exception("worker failed")
+            cause = exc.__cause__ or exc  # a failed collective: what the transport said
+            failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
             raise
         finally:
             if mesh is not None:
-                mesh.close()
+                mesh.close(failure)
             if job.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
             if job.audit_dir:

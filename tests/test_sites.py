@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -353,15 +353,30 @@ def test_a_second_site_with_a_taken_rank_is_refused_and_the_others_train(
         [p.stderr[-1500:] for p in done]
 
 
-def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+def kit_options(links: str, folder: Path) -> Callable[[int], tuple[object, ...]]:
+    """Site r's extra options: its kit (provisioned once into ``folder``) over TLS links, none over plain ones."""
+    if links == "plain":
+        return lambda s: ()
+    provision(folder, "cora-sites", SITES)
+    return lambda s: ("--kit", folder / f"site-{s}")
+
+
+# what the other sites say of site 1 when it went away, over each kind of link
+WENT_AWAY = {"plain": "site 1 (rank 1) went away: no heartbeat", "tls": "site 1 (site-1) went away: "}
+FROZE = {"plain": "site 1 (rank 1): no heartbeat for 5 s (frozen", "tls": "site 1 (site-1): no heartbeat for "}
+
+
+@pytest.mark.parametrize("links", ["plain", "tls"])
+def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path]], tmp_path: Path, links: str) -> None:
     _, site_tables = tables
+    kit = kit_options(links, tmp_path / "job")
     stores = [tmp_path / f"store{s}" for s in range(SITES)]
     for s in range(SITES):
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
     longer = ("--rounds", "30,150")  # after the test's options: layer 2 runs long enough to be killed in
     port = free_port()
-    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *longer), cwd=REPO, env=env,
+    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *longer, *kit(s)), cwd=REPO, env=env,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(SITES)]
     try:
@@ -378,13 +393,13 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     assert codes[1] == -9 and codes[0] != 0 and codes[2] != 0
     for s in (0, 2):  # each other site names the one that went away, in its one error line
         line = errors[s].strip().splitlines()[-1]
-        assert line.startswith("error: ") and "site 1 (rank 1) went away: no heartbeat" in line, errors[s][-1500:]
+        assert line.startswith("error: ") and WENT_AWAY[links] in line, errors[s][-1500:]
     runs = [next(store.glob("runs/run=*")) for store in stores]
     assert all(not (run / "layer=2").exists() and not list(run.glob(".tmp-*")) for run in runs)
     layer_1 = [(run / "layer=1" / "manifest.json").read_bytes() for run in runs]
 
     port = free_port()
-    done = run_together([site_train(s, SITES, port, stores[s], *longer) for s in range(SITES)], env, TIMEOUT_S)
+    done = run_together([site_train(s, SITES, port, stores[s], *longer, *kit(s)) for s in range(SITES)], env, TIMEOUT_S)
     assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-1500:] for p in done]
     assert [(run / "layer=1" / "manifest.json").read_bytes() for run in runs] == layer_1  # not trained again
     for s, run in enumerate(runs):
@@ -395,8 +410,9 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
     assert read_manifest(runs[0], RunManifest).test_acc is not None
 
 
+@pytest.mark.parametrize("links", ["plain", "tls"])
 def test_a_frozen_site_is_named_at_the_others_before_the_timeout(tables: tuple[Path, list[Path]],
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path, links: str) -> None:
     """Site 1's machine stops (its command and worker get SIGSTOP) during layer 2: the others stop
     after the hang timeout (5 s here), not after --timeout (300 s), and name site 1."""
     _, site_tables = tables
@@ -405,8 +421,9 @@ def test_a_frozen_site_is_named_at_the_others_before_the_timeout(tables: tuple[P
         ingest(stores[s], site_tables[s], "cora-site", remote=True)
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "lo"}
     options = ("--rounds", "30,150", "--hang-timeout", 5, "--timeout", 300)
+    kit = kit_options(links, tmp_path / "job")
     port = free_port()
-    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *options), cwd=REPO, env=env,
+    procs = [subprocess.Popen(site_train(s, SITES, port, stores[s], *options, *kit(s)), cwd=REPO, env=env,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(SITES)]
     frozen = []
@@ -434,7 +451,6 @@ def test_a_frozen_site_is_named_at_the_others_before_the_timeout(tables: tuple[P
         line = error.strip().splitlines()[-1]
         assert procs[s].returncode != 0 and line.startswith("error: "), error[-1500:]
         # its own watch stops it, or its collective fails first when the other waiting site stops
-        assert ("site 1 (rank 1): no heartbeat for 5 s (frozen" in line
-                or "site 1 (rank 1) went away: no heartbeat" in line), error[-1500:]
-    assert any("site 1 (rank 1): no heartbeat for 5 s (frozen" in e for e in errors.values()), errors
+        assert FROZE[links] in line or WENT_AWAY[links] in line, error[-1500:]
+    assert any(FROZE[links] in e for e in errors.values()), errors
 

@@ -266,6 +266,7 @@ class Link:
         self._inbox: deque[tuple[int, bytearray]] = deque()
         self._gone: str | None = None  # why the link ended
         self._closing = False
+        self._leaving = ""  # why this site stops (sent in the goodbye); empty: it finished
         self.last_heard = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -323,7 +324,7 @@ class Link:
                         return  # nothing more can be said to this peer
                     writing = bool(self._out)
                     if self._closing and not writing:
-                        self._queue_bye_once(sock)
+                        self._say_goodbye(sock)
                         return
                 poller.modify(sock, select.POLLIN | (select.POLLOUT if writing else 0))
                 wait = 0 if sock.pending() else int(BEAT_S * 500)  # ms; decrypted bytes may wait in the TLS buffer
@@ -344,11 +345,13 @@ class Link:
         finally:
             self._end("the link closed")
 
-    def _queue_bye_once(self, sock: ssl.SSLSocket) -> None:
+    def _say_goodbye(self, sock: ssl.SSLSocket) -> None:
+        """The last frame: why this site leaves (empty when it finished)."""
         sock.setblocking(True)
         sock.settimeout(HANDSHAKE_S)
+        reason = self._leaving.encode()
         try:
-            sock.sendall(HEADER.pack(BYE, 0, 0))
+            sock.sendall(HEADER.pack(BYE, 0, len(reason)) + reason)
         except OSError:
             pass
 
@@ -376,7 +379,8 @@ class Link:
                 if kind == DATA:
                     self._inbox.append((op, payload))
                 elif kind == BYE:
-                    self._gone = self._gone or "it finished and left"
+                    self._gone = self._gone or (f"it stopped because {payload.decode(errors='replace')}" if payload
+                                                else "it finished and left")
             self._condition.notify_all()
 
     def _write(self, sock: ssl.SSLSocket) -> float | None:
@@ -404,10 +408,12 @@ class Link:
                 self._gone = reason
             self._condition.notify_all()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued (and a goodbye), then close the connection."""
+    def close(self, reason: str = "", timeout_s: float = 30.0) -> None:
+        """Write what is queued and a goodbye (``reason``: why this site stops, empty when it
+        finished), then close the connection."""
         with self._condition:
             self._closing = True
+            self._leaving = reason
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -476,10 +482,11 @@ class SiteMesh:
         sockets.update({r: sock for r, (sock, _) in gatekeeper.wait_for(set(range(rank + 1, world)), deadline).items()})
         return sockets
 
-    def close(self) -> None:
-        """Flush and close every link, and stop admitting."""
+    def close(self, reason: str = "") -> None:
+        """Flush and close every link, saying goodbye with ``reason`` (why this site stops, empty
+        when it finished: a peer that waits for it names that reason), and stop admitting."""
         for link in self.links.values():
-            link.close()
+            link.close(reason[:2000])
         self.gatekeeper.shut()
 
 
