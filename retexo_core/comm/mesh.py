@@ -445,7 +445,8 @@ class SiteMesh:
             raise SiteRefused(f"--rank {rank}, but the kit at {kit.folder} is {me}'s")
         deadline = time.monotonic() + timeout_s
         host = master_addr if rank == 0 else local_address(master_addr)
-        listener = socket.create_server((host, master_port if rank == 0 else 0), backlog=socket.SOMAXCONN)
+        family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6, as the address is
+        listener = socket.create_server((host, master_port if rank == 0 else 0), family=family, backlog=socket.SOMAXCONN)
         gatekeeper = Gatekeeper(listener, kit, me, set(range(1, world)) if rank == 0 else set(range(rank + 1, world)))
         try:
             sockets = cls._connect_all(kit, me, rank, world, master_addr, master_port, gatekeeper, deadline)
