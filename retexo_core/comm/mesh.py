@@ -149,10 +149,17 @@ class Gatekeeper:
             except (OSError, ValueError, ConnectionError):
                 tls.close()
                 return
+            hello = hello if isinstance(hello, dict) else {}
             peer = identity_of(tls.getpeercert() or {})
             refusal = self._refusal(peer, hello)
             if refusal is None:  # the seat is this peer's now
-                send_frame(tls, WELCOME)
+                try:
+                    send_frame(tls, WELCOME)
+                except OSError:
+                    with self._condition:
+                        self._seated.discard(peer.rank)  # type: ignore[union-attr]  # it left: the seat is free again
+                    tls.close()
+                    return
                 with self._condition:
                     self.admitted[peer.rank] = (tls, hello)  # type: ignore[union-attr]
                     self._condition.notify_all()
