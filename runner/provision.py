@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from graphstore.errors import RetexoError
+from retexo_core.comm.tls import site_common_name
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -113,7 +114,7 @@ def provision(folder: Path, job: str, sites: int, names: list[str] | None = None
         key = _key()
         subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, job),
                              x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, name),
-                             x509.NameAttribute(NameOID.COMMON_NAME, f"site-{rank}")])
+                             x509.NameAttribute(NameOID.COMMON_NAME, site_common_name(rank))])
         cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(key.public_key())
                 .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
                 .not_valid_after(expires)

@@ -27,9 +27,13 @@ revealed.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from retexo_core.comm.communicator import Communicator
 
 FRACTION_BITS = 32  # fixed point: values are sent as round(x * 2**32) in int64
 SEED_BYTES = 32
@@ -46,13 +50,13 @@ class PairwiseMasks:
         self.count = 0
 
     @classmethod
-    def agree(cls, comm: object) -> PairwiseMasks:
-        """Exchange the pairwise seeds through ``comm`` (a ``Communicator``): the lower rank of each pair draws."""
-        rank, world = comm.rank, comm.world  # type: ignore[attr-defined]
+    def agree(cls, comm: Communicator) -> PairwiseMasks:
+        """Exchange the pairwise seeds through ``comm``: the lower rank of each pair draws."""
+        rank, world = comm.rank, comm.world
         drawn = {j: os.urandom(SEED_BYTES) for j in range(rank + 1, world)}
         send = [torch.frombuffer(bytearray(drawn[j]), dtype=torch.uint8) if j in drawn else None for j in range(world)]
         shapes = [(SEED_BYTES,) if j < rank else None for j in range(world)]
-        got = comm.exchange(send, shapes, torch.uint8, "secure_agg")  # type: ignore[attr-defined]
+        got = comm.exchange(send, shapes, torch.uint8, "secure_agg")
         seeds = {**drawn, **{j: bytes(got[j].numpy()) for j in range(rank)}}
         return cls(rank, world, seeds)
 

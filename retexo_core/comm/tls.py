@@ -18,6 +18,11 @@ KIT_FILES = ("ca.pem", "crl.pem", "site.pem", "site-key.pem")
 SITE_CN = re.compile(r"^site-(\d+)$")
 
 
+def site_common_name(rank: int) -> str:
+    """The CN of site ``rank``'s certificate (what ``SITE_CN`` reads back)."""
+    return f"site-{rank}"
+
+
 class KitError(RetexoError):
     """A kit is missing a file, or is not this site's."""
 
