@@ -62,6 +62,7 @@ class ViewSpec:
     select: str
     columns: tuple[tuple[str, str], ...]
     json_columns: tuple[tuple[str, str], ...] = ()
+    optional: tuple[tuple[str, str], ...] = ()  # file columns added later: NULL where no file has them
 
 
 def _cols(spec: str) -> tuple[tuple[str, str], ...]:
@@ -142,8 +143,10 @@ VIEWS: list[ViewSpec] = [
     ),
     ViewSpec(
         "run_evaluation", "parquet", "runs/run=*/evaluation.parquet",
-        "run, split, accuracy, macro_f1, roc_auc, nodes",
-        _cols("run VARCHAR, split VARCHAR, accuracy DOUBLE, macro_f1 DOUBLE, roc_auc DOUBLE, nodes BIGINT"),
+        "run, split, accuracy, macro_f1, roc_auc, nodes, mrr, hits_at_k, k, pairs",
+        _cols("run VARCHAR, split VARCHAR, accuracy DOUBLE, macro_f1 DOUBLE, roc_auc DOUBLE, nodes BIGINT, "
+              "mrr DOUBLE, hits_at_k DOUBLE, k BIGINT, pairs BIGINT"),
+        optional=_cols("mrr DOUBLE, hits_at_k DOUBLE, k BIGINT, pairs BIGINT"),
     ),
     ViewSpec(
         "run_history", "json", "runs/run=*/events/*.json",
@@ -159,6 +162,16 @@ VIEWS: list[ViewSpec] = [
         "prediction_rows", "parquet", "runs/run=*/layer=*/part=*/predictions.parquet",
         "run, CAST(part AS INTEGER) AS part, node_id, predicted, score, split",
         _cols("run VARCHAR, part INTEGER, node_id BIGINT, predicted BIGINT, score FLOAT, split VARCHAR"),
+    ),
+    ViewSpec(
+        "link_scores", "parquet", "runs/run=*/layer=*/part=*/link_scores.parquet",
+        "run, CAST(part AS INTEGER) AS part, src, dst, score, label, split",
+        _cols("run VARCHAR, part INTEGER, src BIGINT, dst BIGINT, score FLOAT, label TINYINT, split VARCHAR"),
+    ),
+    ViewSpec(
+        "link_pairs", "parquet", "datasets/name=*/fp=*/link_pairs.parquet",
+        "fp AS dataset, src, dst, label, split",
+        _cols("dataset VARCHAR, src BIGINT, dst BIGINT, label TINYINT, split VARCHAR"),
     ),
     ViewSpec(
         "promotions", "json", "pipelines/name=*/decisions/*.json",
@@ -231,6 +244,9 @@ def view_sql(spec: ViewSpec, files: Sequence[Path]) -> str:
         reader = f"read_json({paths}, format = 'unstructured', hive_partitioning = false, columns = {{{columns}}})"
     else:
         reader = f"read_parquet({paths}, hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
+        if spec.optional:
+            nulls = ", ".join(f'CAST(NULL AS {typ}) AS "{name}"' for name, typ in spec.optional)
+            reader = f"(SELECT * FROM {reader} UNION ALL BY NAME SELECT {nulls} WHERE false)"
     return f"CREATE OR REPLACE VIEW {spec.name} AS SELECT {spec.select} FROM {reader}"
 
 

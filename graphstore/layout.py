@@ -2,9 +2,9 @@
 
 ::
 
-    datasets/name=<name>/fp=<fp>/{nodes,edges,features}.parquet + manifest.json
+    datasets/name=<name>/fp=<fp>/{nodes,edges,features}.parquet + manifest.json (+ link_pairs.parquet)
     partitions/dataset=<fp>/fp=<pfp>/{assignment,stats}.parquet + manifest.json
-    partitions/dataset=<fp>/fp=<pfp>/part=<i>/{nodes,edges,halo}.parquet
+    partitions/dataset=<fp>/fp=<pfp>/part=<i>/{nodes,edges,halo}.parquet (+ pairs.parquet)
     runs/run=<rfp>/layer=<l>/part=<i>/embeddings.parquet
     runs/run=<rfp>/layer=<l>/{model.pt, manifest.json}
     runs/run=<rfp>/{metrics,comm}.parquet + manifest.json
@@ -26,6 +26,8 @@ DEFAULT_STORE = "retexo-store"
 STORE_ENV = "RETEXO_STORE"
 MANIFEST = "manifest.json"
 DATASET_FILES = ("nodes.parquet", "edges.parquet", "features.parquet")  # of every dataset folder
+LINK_PAIRS = "link_pairs.parquet"  # a link dataset's evaluation pairs: src, dst, label, split
+PART_PAIRS = "pairs.parquet"  # a link partition's part: the pairs whose dst the part owns, with the src's owner
 TMP_PREFIX = ".tmp-"
 UNKNOWN_OWNER = -1  # a halo row's owner in a site partition: found when the sites meet, never stored
 

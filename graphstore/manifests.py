@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from graphstore.errors import StoreError
-from graphstore.layout import MANIFEST
+from graphstore.layout import DATASET_FILES, LINK_PAIRS, MANIFEST
 
 
 def utc_now() -> str:
@@ -74,6 +74,13 @@ class DatasetManifest(Manifest):
     remote_nodes: int = 0  # a site's dataset: distinct edge sources held by other sites
     feature_format: Literal["dense", "sparse"] = "dense"
     features_nonnegative: bool = False  # no negative value (counts, TF-IDF): rows may be normalised
+    task: Literal["node", "link"] = "node"  # link: a link split (graphstore.ingest.link_split) with its pairs
+    link_pairs: dict[str, int] = {}  # link: train positives (the stored edges) and val / test positives and negatives
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The data files of the folder: the three tables, and a link dataset's pairs."""
+        return DATASET_FILES + ((LINK_PAIRS,) if self.task == "link" else ())
 
 
 class PartitionManifest(Manifest):

@@ -28,6 +28,7 @@ from graphstore.manifests import LayerManifest, read_manifest
 from graphstore.parquet_io import COMPRESSION, features_array, features_matrix, read_table
 
 PREDICTIONS = "predictions.parquet"
+LINK_SCORES = "link_scores.parquet"  # task link: a rank's evaluation pairs scored by the last layer
 
 
 def write_embeddings(path: Path, node_id: np.ndarray, h: np.ndarray, views: dict[str, np.ndarray] | None = None) -> None:

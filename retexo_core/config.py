@@ -27,6 +27,7 @@ Strategy = Literal[NAMES]  # type: ignore[valid-type]
 ModelName = Literal["gcn", "sage", "gat"]
 Compression = Literal["none", "fp16", "int8"]
 Scope = Literal["layer", "per_layer", "run", "none"]
+LINK_STRATEGIES = ("retexo", "centralized")  # the strategies that train --task link
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
 
@@ -50,6 +51,15 @@ class TrainConfig(BaseModel):
     strategy: Strategy = option("retexo", " | ".join(f"{s.name} ({s.help})" for s in STRATEGIES.values()) + ".",
                                 scope="layer")
     model: ModelName = option("gcn", "gcn | sage | gat.", scope="layer")
+    task: Literal["node", "link"] = option(
+        "node", "node: classify nodes | link: predict the held-out edges of a link dataset (`retexo ingest link-split`), "
+        "scoring node pairs by the dot product of their last-layer embeddings (retexo and centralized; GCN and SAGE "
+        "layer-wise, every model end to end).", scope="layer")
+    link_dim: int = option(64, "task link: width of the embeddings whose dot products score node pairs (the last "
+                           "layer's output; every hidden layer of layer-wise training is trained with a linear "
+                           "head to this width).", scope="layer", ge=1)
+    hits_k: int = option(50, "task link: K of Hits@K (the share of positive pairs scored above the K-th highest "
+                         "negative pair of their split).", scope="run", ge=1)
     setting: Literal["transductive", "inductive"] = option(
         "transductive", "transductive | inductive (val/test nodes and their edges unseen in training).", scope="layer")
     normalize_features: Literal["auto", "rows", "none"] = option(
@@ -213,9 +223,21 @@ class TrainConfig(BaseModel):
             raise ValueError("rounds / epochs = 0 (evaluate without training) needs warm_start")
         if self.warm_start is not None and self.strategy not in WARM_STARTABLE:
             raise ValueError(f"warm_start is supported by {', '.join(WARM_STARTABLE)}, not {self.strategy}")
+        if self.task == "link":
+            self._check_link()
         if self.model == "gat" and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) for GAT")
         return self
+
+    def _check_link(self) -> None:
+        """What the link task supports so far (each a one-line refusal)."""
+        if self.strategy not in LINK_STRATEGIES:
+            raise ValueError(f"task link is trained by {', '.join(LINK_STRATEGIES)}, not {self.strategy}")
+        if self.is_layerwise and self.model == "gat":
+            raise ValueError("task link: layer-wise GAT is not supported (its attention needs the partner's "
+                             "neighbours); use gcn or sage, or centralized end to end")
+        if self.setting != "transductive" or self.batch_size is not None or self.secure_agg:
+            raise ValueError("task link: trains transductively, full batch, without secure_agg")
 
     def per_layer(self, name: str, layer: int) -> Any:
         """Layer ``layer``'s (1-based) value of a per-layer option (the default learning rate

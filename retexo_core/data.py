@@ -22,12 +22,39 @@ import pyarrow as pa
 import torch
 
 from graphstore.integrity import verify_files
-from graphstore.layout import DATASET_FILES
+from graphstore.layout import DATASET_FILES, LINK_PAIRS, PART_PAIRS
 from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import feature_columns, features_of, read_table
 from retexo_core.sparse import SparseMatrix
 
 SPLIT_NAMES = ("train", "val", "test")
+PAIR_SPLITS = ("val", "test")
+
+
+@dataclass
+class LinkPairs:
+    """The evaluation pairs a partition scores (a link dataset's pairs whose target it owns).
+
+    src_id: (p,) int64 ids of the pairs' sources (owned or remote).
+    src_owner: (p,) int64 the part owning each source.
+    dst: (p,) int64 local positions of the targets among the owned nodes.
+    label: (p,) float32 1 for a held-out edge, 0 for a negative pair.
+    split: (p,) object ``val`` or ``test``.
+    """
+
+    src_id: np.ndarray
+    src_owner: np.ndarray
+    dst: np.ndarray
+    label: torch.Tensor
+    split: np.ndarray
+
+    @classmethod
+    def from_table(cls, table: pa.Table, owned: np.ndarray, src_owner: np.ndarray | None = None) -> "LinkPairs":
+        """From ``src, dst, label, split`` (and ``src_owner``, unless given) rows whose dst ``owned`` holds."""
+        owner = table.column("src_owner").to_numpy() if src_owner is None else src_owner
+        return cls(table.column("src").to_numpy(), owner, np.searchsorted(owned, table.column("dst").to_numpy()),
+                   torch.from_numpy(table.column("label").to_numpy().astype(np.float32)),
+                   table.column("split").to_numpy(zero_copy_only=False))
 
 
 @dataclass
@@ -50,6 +77,7 @@ class PartData:
             recorded at ingest for the whole dataset, so every partition decides alike.
         held_by_site: the part of a site that keeps its own store (``retexo_core.sites``): no
             per-node value may leave it beyond the strategy's halo rows.
+        pairs: a link dataset's evaluation pairs this part scores (None for a node dataset).
     """
 
     part: int
@@ -65,6 +93,7 @@ class PartData:
     num_classes: int
     features_nonnegative: bool = False
     held_by_site: bool = False
+    pairs: LinkPairs | None = None
 
     @property
     def num_owned(self) -> int:
@@ -91,9 +120,10 @@ class PartData:
 def load_part(partition_dir: Path, part: int) -> PartData:
     """Read ``part=<part>/{nodes,edges,halo}.parquet`` (and the partition manifest) only, after
     hashing them against the manifest's checksums."""
-    names = [f"part={part}/{name}.parquet" for name in ("nodes", "edges", "halo")]
-    meta = verify_files(partition_dir, names, PartitionManifest)
     folder = partition_dir / f"part={part}"
+    link = (folder / PART_PAIRS).is_file()
+    names = [f"part={part}/{name}.parquet" for name in ("nodes", "edges", "halo")]
+    meta = verify_files(partition_dir, names + ([f"part={part}/{PART_PAIRS}"] if link else []), PartitionManifest)
     nodes = read_table(folder / "nodes.parquet")
     edges = read_table(folder / "edges.parquet")
     halo = read_table(folder / "halo.parquet")
@@ -115,6 +145,7 @@ def load_part(partition_dir: Path, part: int) -> PartData:
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
         num_classes=meta.num_classes,
         features_nonnegative=meta.features_nonnegative,
+        pairs=LinkPairs.from_table(read_table(folder / PART_PAIRS), node_id) if link else None,
     )
 
 
@@ -152,6 +183,9 @@ def load_whole_graph(dataset_dir: Path) -> PartData:
     """The whole dataset as a single partition (for centralized training): no halo. Its three files
     are hashed against the dataset manifest first."""
     manifest = verify_files(dataset_dir, DATASET_FILES, DatasetManifest)
+    link = manifest.task == "link"
+    if link:
+        verify_files(dataset_dir, [LINK_PAIRS], DatasetManifest)
     nodes = read_table(dataset_dir / "nodes.parquet", columns=["node_id", "label", "split"])
     features = read_table(dataset_dir / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset_dir / "edges.parquet")
@@ -170,4 +204,11 @@ def load_whole_graph(dataset_dir: Path) -> PartData:
         dst=np.searchsorted(node_id, edges.column("dst").to_numpy()),
         num_classes=manifest.num_classes,
         features_nonnegative=manifest.features_nonnegative,
+        pairs=whole_graph_pairs(dataset_dir, node_id) if link else None,
     )
+
+
+def whole_graph_pairs(dataset_dir: Path, node_id: np.ndarray) -> LinkPairs:
+    """Every pair of a link dataset, scored by the one part (which owns every source)."""
+    table = read_table(dataset_dir / LINK_PAIRS)
+    return LinkPairs.from_table(table, node_id, np.zeros(table.num_rows, np.int64))

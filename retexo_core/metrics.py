@@ -40,3 +40,38 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
     ranks = (np.cumsum(counts) - counts + (counts + 1) / 2)[inverse]  # 1-based, ties averaged
     return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def link_ranks(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """(P,) float64 rank of each positive score among all negative scores of the same split:
+    1 + the negatives scoring higher + half of those scoring the same (ties averaged)."""
+    neg = np.sort(np.asarray(neg, np.float64))
+    pos = np.asarray(pos, np.float64)
+    higher = len(neg) - np.searchsorted(neg, pos, side="right")
+    ties = np.searchsorted(neg, pos, side="right") - np.searchsorted(neg, pos, side="left")
+    return 1.0 + higher + ties / 2.0
+
+
+def mean_reciprocal_rank(pos: np.ndarray, neg: np.ndarray) -> float:
+    """Mean over the positives of 1 / their rank among the split's negatives (``link_ranks``)."""
+    return float(np.mean(1.0 / link_ranks(pos, neg))) if len(pos) else float("nan")
+
+
+def hits_at_k(pos: np.ndarray, neg: np.ndarray, k: int) -> float:
+    """OGB's Hits@K: the fraction of positives scoring strictly above the K-th highest negative
+    (every positive counts when there are fewer than K negatives)."""
+    if not len(pos):
+        return float("nan")
+    if len(neg) < k:
+        return 1.0
+    kth = np.partition(np.asarray(neg, np.float64), len(neg) - k)[len(neg) - k]
+    return float(np.mean(np.asarray(pos, np.float64) > kth))
+
+
+def histogram_auc(counts: np.ndarray) -> float:
+    """ROC-AUC from (2, B) negative / positive counts per score bin: a positive outranks the
+    negatives of lower bins and ties half of those in its bin (exact up to ties within a bin)."""
+    negatives, positives = counts
+    below = np.cumsum(negatives) - negatives
+    pairs = negatives.sum() * positives.sum()
+    return float((positives * (below + negatives / 2)).sum() / pairs) if pairs else float("nan")

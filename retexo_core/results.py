@@ -52,6 +52,11 @@ class ResultSink(Protocol):
         """This part's predictions from the last layer: (n,) ids, (n,) int64 classes, (n,) float32
         max softmax probabilities, (n,) split names."""
 
+    def write_link_scores(self, part: int, src: np.ndarray, dst: np.ndarray, score: np.ndarray, label: np.ndarray,
+                          split: np.ndarray) -> None:
+        """Task link: this part's evaluation pairs scored by the last layer: (p,) source and target
+        ids, (p,) float32 logits (dot products), (p,) int8 labels (1: held-out edge), (p,) splits."""
+
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
         """Where this rank is: ``done`` of ``total`` rounds (epochs) of ``layer`` (0: the whole
         model of an end-to-end strategy), the last global validation accuracy and the bytes this

@@ -29,7 +29,9 @@ from retexo_core.strategies.common import WorkerContext, final_evaluation, make_
 from retexo_core.strategies.endtoend import EndToEndResult
 from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import apply_knobs, search_for
-from retexo_core.strategies.retexo import Views, features_transform, train_layer
+from retexo_core.link import link_evaluation
+from retexo_core.strategies.link import LinkFit, LinkInputs
+from retexo_core.strategies.retexo import LayerFit, LayerInputs, Views, features_transform, train_layer
 
 log = logging.getLogger("retexo.worker")
 HISTORY_SCHEMA = pa.schema([
@@ -96,6 +98,26 @@ def write_predictions(ctx: WorkerContext, logits: torch.Tensor, sink: ResultSink
                            score.numpy().astype(np.float32), split)
 
 
+def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], scores: torch.Tensor | None) -> list[dict[str, object]]:
+    """The run's evaluation rows: per node split (``final_evaluation``), or per pair split (task link)."""
+    if scores is None:
+        return final_evaluation(ctx, outputs)
+    pairs = ctx.data.pairs
+    assert pairs is not None
+    return link_evaluation(ctx.comm, scores, pairs.label, pairs.split, ctx.config.hits_k)
+
+
+def write_outcome(ctx: WorkerContext, logits: torch.Tensor, scores: torch.Tensor | None, sink: ResultSink) -> None:
+    """This rank's predictions (node task) or its evaluation pairs' scores (task link)."""
+    pairs = ctx.data.pairs
+    if scores is None or pairs is None:
+        write_predictions(ctx, logits, sink)
+        return
+    dst_id = ctx.data.node_id[pairs.dst]
+    sink.write_link_scores(ctx.data.part, pairs.src_id, dst_id, scores.detach().cpu().numpy().astype(np.float32),
+                           pairs.label.numpy().astype(np.int8), pairs.split)
+
+
 def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
     """This rank's log rows from ``start`` on, and the next start."""
     return ctx.comm.log.to_table().slice(start), len(ctx.comm.log.rows)
@@ -107,15 +129,17 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
+        kinds = (LinkInputs, LinkFit) if ctx.link is not None else (LayerInputs, LayerFit)
         with layer_fits(ctx.device, layer, ctx.comm.world):
-            result = train_layer(ctx, layer, own, sink.initial_state(layer))
-        evaluation = final_evaluation(ctx, result.outputs) if layer == cfg.layers else None
-        if layer == cfg.layers:
+            result = train_layer(ctx, layer, own, sink.initial_state(layer), kinds)
+        last = layer == cfg.layers
+        evaluation = evaluate(ctx, result.outputs, result.pair_scores) if last else None
+        if last:
             sink.gather_traffic(ctx.comm)
         rows, log_start = new_log_rows(ctx, log_start)
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
-        if layer == cfg.layers:
-            write_predictions(ctx, result.outputs["full"], sink)
+        if last:
+            write_outcome(ctx, result.outputs["full"], result.pair_scores, sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
                                recipe=result.recipe)
@@ -168,14 +192,14 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     started = time.perf_counter()
     with layer_fits(ctx.device, 0, ctx.comm.world):
         ctx, result, recipe = train_candidates(ctx, sink, load_refresh)
-    evaluation = final_evaluation(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()})
+    evaluation = evaluate(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()}, result.pair_scores)
     sink.gather_traffic(ctx.comm)
     rows, _ = new_log_rows(ctx, 0)
     for layer in layers:
         outputs = {v: per_layer[layer - 1] for v, per_layer in result.outputs.items()}
         sink.write_part(layer, part, ctx.data.node_id, stored_views(ctx, outputs),
                         rows if layer == layers[-1] else rows.slice(0, 0))  # type: ignore[arg-type]
-    write_predictions(ctx, result.outputs["full"][-1], sink)
+    write_outcome(ctx, result.outputs["full"][-1], result.pair_scores, sink)
     ctx.comm.barrier_uncounted()
     coordinator = ctx.comm.rank == 0
     if not coordinator and not sink.every_rank_commits:

@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from graphstore.errors import RetexoError, StoreError
+from graphstore.errors import InputError, RetexoError, StoreError
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, PartitionRef, find_dataset, find_partition
 from graphstore.partition.build import build_partition
@@ -93,6 +93,7 @@ def prepare_run(request: RunRequest, partitions: PartitionSource = "build", node
     waits = partitions == "build" and node_rank != 0
     dataset = (awaited(lambda: find_dataset(store, request.dataset), f"dataset {request.dataset}", store, wait_s)
                if waits else find_dataset(store, request.dataset))
+    check_task(dataset, config)
     config = checked_warm_start(store, dataset, config, request.cold_start_if_unfit, warn)
     if request.site is not None:
         partition = build_site_partition(store, dataset)
@@ -107,6 +108,19 @@ def prepare_run(request: RunRequest, partitions: PartitionSource = "build", node
         else:
             partition = build_partition(store, dataset, request.partition, force=config.force)
     return plan_run(store, dataset, partition, config, request.network)
+
+
+def check_task(dataset: DatasetRef, config: TrainConfig) -> None:
+    """``--task link`` trains on a link dataset (held-out edges and pairs), and a link dataset
+    trains nothing else: its graph lacks the held-out edges."""
+    task = dataset.manifest.task
+    if config.task == task:
+        return
+    if config.task == "link":
+        raise InputError("--task", f"dataset {dataset.name} has no held-out edges: derive a link dataset with "
+                                   f"`retexo ingest link-split {dataset.name} --name {dataset.name}_link` and train on it")
+    raise InputError("--task", f"dataset {dataset.name} is a link split (its graph lacks the held-out edges): train "
+                               "it with --task link, or train node classification on its source dataset")
 
 
 def checked_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig, cold_if_unfit: bool,

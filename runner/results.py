@@ -33,7 +33,7 @@ from graphstore.integrity import record_digests, verify_files
 from graphstore.layout import Store
 from graphstore.manifests import LayerManifest
 from graphstore.parquet_io import COMPRESSION, read_table
-from graphstore.runs import PREDICTIONS, read_embeddings, write_embeddings
+from graphstore.runs import LINK_SCORES, PREDICTIONS, read_embeddings, write_embeddings
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from runner.launcher_watch import ensure_launcher_alive
@@ -192,6 +192,16 @@ class RunFolder:
         pq.write_table(table, path, compression=COMPRESSION)
         fsync_file(path)
         record_digests(path.parent.parent, [f"part={part}/{PREDICTIONS}"], f"rank-{part}-predictions")
+
+    def write_link_scores(self, part: int, src: np.ndarray, dst: np.ndarray, score: np.ndarray, label: np.ndarray,
+                          split: np.ndarray) -> None:
+        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / LINK_SCORES
+        table = pa.table({"src": pa.array(src, pa.int64()), "dst": pa.array(dst, pa.int64()),
+                          "score": pa.array(score, pa.float32()), "label": pa.array(label, pa.int8()),
+                          "split": pa.array(split, pa.string())})
+        pq.write_table(table, path, compression=COMPRESSION)
+        fsync_file(path)
+        record_digests(path.parent.parent, [f"part={part}/{LINK_SCORES}"], f"rank-{part}-link-scores")
 
     def gather_traffic(self, comm: Communicator) -> None:
         """``ResultSink.gather_traffic``: in a site's run, every site tells the coordinator its

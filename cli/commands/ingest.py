@@ -12,16 +12,18 @@ from cli.console import print_table, progress_bars
 from cli.options import OptionGroup, collect, with_options
 from cli.shared_options import ForceOption, StoreOption, open_store
 from graphstore.catalog import refresh_catalog
-from graphstore.ingest.api import ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
+from graphstore.ingest.api import check_name, ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import REQUESTED_FORMAT_HELP, RequestedFormat
+from graphstore.ingest.link_split import LinkSplitOptions, split_links
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions
-from graphstore.lookup import DatasetRef
+from graphstore.lookup import DatasetRef, find_dataset
 
 SYNTHETIC_OPTIONS = OptionGroup("synthetic", SyntheticOptions)
 TABLE_OPTIONS = OptionGroup("tables", TableOptions, negatable=True)
 SPLIT_OPTIONS = OptionGroup("split", SplitFractions)
+LINK_OPTIONS = OptionGroup("link", LinkSplitOptions)
 SPLIT_FRACTIONS = OptionGroup("split", SplitFractions, fields=("train", "val"))  # the split seed: the generator's
 
 FeatureFormatOption = Annotated[RequestedFormat, typer.Option(help=REQUESTED_FORMAT_HELP)]
@@ -128,4 +130,19 @@ def ingest_synthetic_cmd(
     with progress_bars() as progress:
         ref = ingest_synthetic(st, name, synthetic, fractions, progress, force)  # type: ignore[arg-type]
     show_dataset(ref)
+    refresh_catalog(st)
+
+
+@ingest_app.command("link-split")
+@with_options(LINK_OPTIONS)
+def ingest_link_split_cmd(
+    source: Annotated[str, typer.Argument(help="The stored dataset to derive it from (name or fingerprint).")],
+    name: Annotated[str, typer.Option(help="Name of the link dataset in the store.")],
+    store: StoreOption = None,
+    **options: Any,
+) -> None:
+    """Derive a link-prediction dataset: validation and test edges held out of the graph (with as many
+    negative pairs, drawn once and stored), so that training (`retexo train --task link`) never sees them."""
+    st = open_store(store)
+    show_dataset(split_links(st, find_dataset(st, source), check_name(name), collect(LINK_OPTIONS, options)))  # type: ignore[arg-type]
     refresh_catalog(st)

@@ -80,8 +80,13 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
         print_table(title, ["layer", "status", "seconds"], [[p.layer, p.state, round(p.seconds, 2)] for p in progress])
     else:
         out.print(title)
-    print_table("evaluation", ["split", "accuracy", "macro_f1", "roc_auc", "nodes"],
-                [[r["split"], r["accuracy"], r["macro_f1"], r["roc_auc"], r["nodes"]] for r in m.evaluation])
+    if m.config.get("task") == "link":
+        k = m.config.get("hits_k")
+        print_table("evaluation (pairs)", ["split", "roc_auc", "mrr", f"hits@{k}", "pairs"],
+                    [[r["split"], r["roc_auc"], r["mrr"], r["hits_at_k"], r["pairs"]] for r in m.evaluation])
+    else:
+        print_table("evaluation", ["split", "accuracy", "macro_f1", "roc_auc", "nodes"],
+                    [[r["split"], r["accuracy"], r["macro_f1"], r["roc_auc"], r["nodes"]] for r in m.evaluation])
     recipe = m.recipe.get("layers", {})
     if recipe:
         print_table(f"recipe (reuse it: --recipe <store>/runs/run={m.fp}/recipe.json)", ["layer", *KNOB_NAMES],

@@ -8,7 +8,11 @@ Output, written atomically under ``partitions/dataset=<fp>/fp=<pfp>/``:
   never densified; ``graphstore.parquet_io``);
 - ``part=i/edges.parquet``: every edge whose ``dst`` partition i owns (``src`` own or halo);
 - ``part=i/halo.parquet``: ``node_id, owner`` of the remote sources of those edges;
-- ``stats.parquet``: one row per part (owned nodes, local/cut edges, halo, split counts, balance).
+- ``part=i/pairs.parquet`` (link datasets): the evaluation pairs whose ``dst`` partition i owns,
+  ``src, dst, label, split, src_owner`` (the part owning ``src``): each pair is scored where its
+  target is, as each edge is aggregated there;
+- ``stats.parquet``: one row per part (owned nodes, local/cut edges, halo, split counts, balance;
+  for link datasets its validation and test pairs and how many of them have a remote ``src``).
 
 The dataset files (and an anchor's ``assignment.parquet``) are hashed against their manifests'
 checksums before they are read (``graphstore.integrity.verify_files``): a partition is never
@@ -29,7 +33,7 @@ import pyarrow.parquet as pq
 from graphstore.atomic import atomic_artefact
 from graphstore.errors import InputError, StoreError
 from graphstore.integrity import verify_files
-from graphstore.layout import DATASET_FILES, Store
+from graphstore.layout import LINK_PAIRS, PART_PAIRS, Store
 from graphstore.limits import check_memory, partition_estimate
 from graphstore.lookup import (
     PARTITION_FORMAT,
@@ -164,7 +168,7 @@ def build_partition(
     check_memory(partition_estimate(dataset.num_nodes, dataset.num_edges, options.parts), force)
     fp = partition_fingerprint(dataset.fp, options)
     started = time.perf_counter()
-    verify_files(dataset.path, DATASET_FILES, DatasetManifest)
+    verify_files(dataset.path, dataset.manifest.data_files, DatasetManifest)
     graph = load_graph_arrays(dataset)
     placement = None
     if options.stable_from is not None:
@@ -207,6 +211,17 @@ def build_partition(
     return ref
 
 
+def part_pairs(dataset: DatasetRef, graph: GraphArrays, part: np.ndarray) -> tuple[pa.Table, np.ndarray] | None:
+    """A link dataset's pairs with ``src_owner`` added, and the (P,) part owning each pair's dst
+    (None for a node dataset)."""
+    if dataset.manifest.task != "link":
+        return None
+    pairs = read_table(dataset.path / LINK_PAIRS)
+    src = to_positions(graph.node_id, pairs.column("src").to_numpy())
+    dst = to_positions(graph.node_id, pairs.column("dst").to_numpy())
+    return pairs.append_column("src_owner", pa.array(part[src], pa.int64())), part[dst]
+
+
 def write_parts(
     out: Path, dataset: DatasetRef, graph: GraphArrays, part: np.ndarray, parts: int, progress: Progress
 ) -> list[dict[str, int | float]]:
@@ -220,6 +235,7 @@ def write_parts(
     order = np.argsort(dst_part, kind="stable")  # edges grouped by owner of dst, (src, dst) order kept
     bounds = np.concatenate([[0], np.cumsum(np.bincount(dst_part, minlength=parts))])
     del dst_part
+    pairs = part_pairs(dataset, graph, part)
     seen = np.zeros(len(part), bool)  # reused per part: marks halo nodes (sorted unique without sorting)
     mean_size = len(part) / parts
     stats = []
@@ -250,6 +266,16 @@ def write_parts(
             part_dir / "halo.parquet",
             compression=COMPRESSION,
         )
+        link_stats = {}
+        if pairs is not None:
+            mine = pairs[0].filter(pa.array(pairs[1] == i))
+            pq.write_table(mine, part_dir / PART_PAIRS, compression=COMPRESSION)
+            split_of, remote_src = mine.column("split").to_numpy(zero_copy_only=False), mine.column("src_owner").to_numpy() != i
+            positive = mine.column("label").to_numpy() == 1
+            for name in ("val", "test"):
+                link_stats[f"{name}_positive_pairs"] = int(np.count_nonzero((split_of == name) & positive))
+                link_stats[f"{name}_negative_pairs"] = int(np.count_nonzero((split_of == name) & ~positive))
+            link_stats["remote_src_pairs"] = int(np.count_nonzero(remote_src))
         stats.append({
             "part": i,
             "owned_nodes": int(len(owned)),
@@ -260,6 +286,7 @@ def write_parts(
             "val": int(np.count_nonzero(split == "val")),
             "test": int(np.count_nonzero(split == "test")),
             "balance": round(len(owned) / mean_size, 4),
+            **link_stats,
         })
         progress("write parts", i + 1, parts)
     return stats

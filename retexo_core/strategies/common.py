@@ -20,7 +20,8 @@ from retexo_core.data import SPLIT_NAMES, PartData
 from retexo_core.device import CPU
 from retexo_core.exchange import ExchangePlan, full_plan, view_plan
 from retexo_core.halo import VIEWS, HaloPlan, build_plan
-from retexo_core.metrics import accuracy, confusion, macro_f1, roc_auc
+from retexo_core.link import LinkIndex, link_index
+from retexo_core.metrics import accuracy, confusion, histogram_auc, macro_f1, roc_auc
 from retexo_core.models import LocalGraph, local_graph
 
 log = logging.getLogger("retexo.train")
@@ -47,6 +48,7 @@ class WorkerContext:
     # 0: this training's own): the progress spans every candidate
     progress: tuple[int, int] = (0, 0)
     device: torch.device = CPU  # where this rank computes: its data, graphs and modules are there
+    link: LinkIndex | None = None  # task link: the rows this rank embeds and the pairs it scores
 
     def generator(self, offset: int = 0, device: torch.device | None = None) -> torch.Generator:
         """This rank's own random stream (dropout masks, batches), never the global RNG; on its
@@ -59,7 +61,13 @@ class WorkerContext:
         moves once)."""
         moved: dict[int, LocalGraph] = {}
         graphs = {v: moved.setdefault(id(g), g.to(device)) for v, g in self.graphs.items()}
-        return dataclasses.replace(self, data=self.data.to(device), graphs=graphs, device=device)
+        link = None if self.link is None else self.link.to(device)
+        return dataclasses.replace(self, data=self.data.to(device), graphs=graphs, device=device, link=link)
+
+    @property
+    def output_width(self) -> int:
+        """The last layer's width (and that of a layer-wise head): the classes, or the link task's embedding width."""
+        return self.config.link_dim if self.config.task == "link" else self.data.num_classes
 
     @property
     def train_rows(self) -> torch.Tensor:
@@ -105,8 +113,9 @@ def make_context(comm: Communicator, data: PartData, config: TrainConfig, device
     full = local_graph(config.model, data.src, data.dst, plan.degree["full"], n, sources)
     if not inductive:
         every = full_plan(plan)
+        link = link_index(comm, data) if config.task == "link" else None
         return WorkerContext(comm, data, config, plan, train_count, dict.fromkeys(VIEWS, full),
-                             dict.fromkeys(VIEWS, every)).on(device)
+                             dict.fromkeys(VIEWS, every), link=link).on(device)
     graphs, plans = {"full": full}, {"full": full_plan(plan)}
     for view in ("train", "val"):
         visible = plan.visible(view)
@@ -192,15 +201,6 @@ def margin_histogram(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     margin = (logits[:, 1] - logits[:, 0]).double().clamp(-AUC_MARGIN, AUC_MARGIN)
     bins = ((margin + AUC_MARGIN) * (AUC_BINS / (2 * AUC_MARGIN))).long().clamp(max=AUC_BINS - 1)
     return torch.stack([torch.bincount(bins[y == c], minlength=AUC_BINS).double() for c in (0, 1)])
-
-
-def histogram_auc(counts: np.ndarray) -> float:
-    """ROC-AUC from (2, B) negative / positive counts per score bin: a positive outranks the
-    negatives of lower bins and ties half of those in its bin (exact up to ties within a bin)."""
-    negatives, positives = counts
-    below = np.cumsum(negatives) - negatives
-    pairs = negatives.sum() * positives.sum()
-    return float((positives * (below + negatives / 2)).sum() / pairs) if pairs else float("nan")
 
 
 def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, SplitStats]:

@@ -29,9 +29,11 @@ from torch import nn
 from retexo_core.config import TrainConfig
 from retexo_core.data import PartData
 from retexo_core.exchange import ExchangePlan, exchange_rows, halo_rows, sampled_plan, stack_rows
+from retexo_core.link import link_loss, pair_scores
 from retexo_core.models import Features, LocalGraph, build_blocks
 from retexo_core.results import ResultSink
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
+from retexo_core.strategies.link import link_stats_of
 
 
 @dataclass
@@ -42,6 +44,7 @@ class EndToEndResult:
     best_val: float
     epochs: int  # epochs trained (fewer than configured after early stopping)
     loop_seconds: float = 0.0  # spent in the epoch loop (validation included)
+    pair_scores: torch.Tensor | None = None  # task link: (p,) logits of this rank's evaluation pairs
 
 
 def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
@@ -96,7 +99,7 @@ def sampled_graph(ctx: WorkerContext, plan: ExchangePlan) -> LocalGraph:
 
 def new_model(ctx: WorkerContext) -> nn.ModuleList:
     cfg = ctx.config
-    return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.data.num_classes, cfg.layers, cfg.heads,
+    return build_blocks(cfg.model, ctx.data.x.shape[1], cfg.hidden, ctx.output_width, cfg.layers, cfg.heads,
                         cfg.dropout, cfg.seed * 1000, norm=cfg.uses_norm, skip=cfg.skip,
                         attention_dropout=cfg.attention_dropout).to(ctx.device)
 
@@ -138,14 +141,18 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
         blocks.train()
         optimizer.zero_grad()
         outputs = forward(ctx, blocks, x_local, graph, plan, gen)
-        train_loss(ctx, outputs[-1], global_mean=True).backward()
+        if ctx.link is not None:  # task link (centralized: every row is owned)
+            link_loss(outputs[-1], ctx.link, data.num_owned, gen).backward()
+        else:
+            train_loss(ctx, outputs[-1], global_mean=True).backward()
         comm.layer = 0
         sync_gradients(comm, blocks)
         optimizer.step()
         if (epoch + 1) % cfg.eval_every and epoch != cfg.epochs - 1:
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs,
-                 lambda: forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1], best)
+                 lambda: forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1], best,
+                 stats_of=None if ctx.link is None else link_stats_of(ctx))
         if best.stale(epoch, cfg.patience):
             break
     seconds = time.perf_counter() - started
@@ -155,7 +162,8 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
     with torch.no_grad():
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
     outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
-    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds)
+    scores = None if ctx.link is None else pair_scores(outputs["full"][-1], ctx.link.pair_src, ctx.link.pair_dst)
+    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, scores)
 
 
 def train_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]

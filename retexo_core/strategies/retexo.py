@@ -63,6 +63,7 @@ class LayerResult:
     recipe: dict[str, object]  # the candidate chosen on validation and every candidate's score (empty: no search)
     loop_rounds: int = 0  # rounds all the layer's candidates trained
     loop_seconds: float = 0.0  # their round loops' seconds (validation included; no exchange, aggregation, outputs)
+    pair_scores: torch.Tensor | None = None  # task link, last layer: (p,) logits of this rank's evaluation pairs
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -155,11 +156,11 @@ def new_layer(ctx: WorkerContext, layer: int, in_dim: int) -> LayerWithHead:
     """Layer ``layer`` with identical initial parameters on every rank (drawn on the CPU, then
     moved to the rank's device)."""
     cfg = ctx.config
-    _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.data.num_classes, cfg.layers)[layer - 1]
+    _, out_dim = layer_dims(in_dim, cfg.hidden, ctx.output_width, cfg.layers)[layer - 1]
     with seeded(cfg.seed * 1000 + layer):
         block = Block(cfg.model, in_dim, out_dim, cfg.heads, cfg.dropout, last=(layer == cfg.layers), norm=cfg.uses_norm,
                       skip=cfg.skip, attention_dropout=cfg.attention_dropout)
-        return LayerWithHead(block, ctx.data.num_classes).to(ctx.device)
+        return LayerWithHead(block, ctx.output_width).to(ctx.device)
 
 
 def chunks(total: int, size: int | None, device: torch.device) -> list[torch.Tensor]:
@@ -305,14 +306,15 @@ class LayerFit:
         self.best = BestState()
         self.share = ctx.local_train / max(ctx.train_count, 1)
         self.steps = BatchPlan(ctx, cfg.batch_size)
+        self.train_rows = ctx.train_rows
         self.trained = 0
         self.stopped = False  # early stopping ended it
         self.seconds = 0.0  # spent in the round loop (validation included)
         self.history: list[dict[str, object]] = []  # its validation rows (ctx.history while it trains)
 
     def advance(self, until: int) -> None:
-        ctx, cfg, module, prepared = self.ctx, self.ctx.config, self.module, self.prepared
-        comm, train_rows = ctx.comm, ctx.train_rows
+        ctx, cfg, module = self.ctx, self.ctx.config, self.module
+        comm = ctx.comm
         until = min(until, self.rounds)
         outer, ctx.history = ctx.history, self.history
         started = time.perf_counter()
@@ -325,9 +327,7 @@ class LayerFit:
                 module.train()
                 for batch, divisor in self.steps.round(self.batches, ctx.device):
                     self.optimizer.zero_grad()
-                    logits = module.logits(prepared.train_outputs(self.gen, batch), self.gen)
-                    labels = ctx.data.y[train_rows if batch is None else train_rows[batch]]
-                    (F.cross_entropy(logits, labels, reduction="sum") / divisor).backward()
+                    self.loss(batch, divisor).backward()
                     if cfg.sync == "grad":
                         sync_gradients(comm, module)
                     self.optimizer.step()
@@ -340,12 +340,26 @@ class LayerFit:
                     average_parameters(comm, module, self.share)
                 if (round_ + 1) % cfg.eval_every and not last and not pause:
                     continue
-                validate(ctx, module, self.layer, round_, self.rounds, lambda: module.logits(prepared.val_outputs()),
-                         self.best, rows=prepared.eval_rows)
+                self.validate(round_)
                 self.stopped = self.best.stale(round_, cfg.patience)
         finally:
             ctx.history = outer
             self.seconds += time.perf_counter() - started
+
+    def loss(self, batch: torch.Tensor | None, divisor: int) -> torch.Tensor:
+        """The step's loss: cross-entropy of the train rows ``batch`` (all when None), summed, / ``divisor``."""
+        rows = self.train_rows if batch is None else self.train_rows[batch]
+        logits = self.module.logits(self.prepared.train_outputs(self.gen, batch), self.gen)
+        return F.cross_entropy(logits, self.ctx.data.y[rows], reduction="sum") / divisor
+
+    def validate(self, round_: int) -> None:
+        """One model-selection point on the evaluation rows (``common.validate``)."""
+        validate(self.ctx, self.module, self.layer, round_, self.rounds,
+                 lambda: self.module.logits(self.prepared.val_outputs()), self.best, rows=self.prepared.eval_rows)
+
+    def pair_scores(self) -> torch.Tensor | None:
+        """The link task's (p,) scores of this rank's evaluation pairs by the module as it is (None here)."""
+        return None
 
     def finish(self) -> BestState:
         self.advance(self.rounds)
@@ -353,7 +367,8 @@ class LayerFit:
         return self.best
 
 
-def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None) -> LayerResult:
+def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None,
+                kinds: tuple[type[LayerInputs], type[LayerFit]] = (LayerInputs, LayerFit)) -> LayerResult:
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
     from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are).
 
@@ -361,13 +376,15 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     on inputs prepared from the same single halo exchange (one preparation per ``features``
     value). The start recipe trains ``recipe_screen`` rounds, then each alternative as many; a
     strictly better best validation score replaces the kept one, which finally goes on to the
-    layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored."""
+    layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored.
+    ``kinds``: the classes that prepare the inputs and train a candidate (the link task's, for it)."""
     base = ctx.config
     search = search_for(base, layer, end_to_end=False, nonnegative=ctx.data.features_nonnegative)
     features = list(dict.fromkeys([search.best.knobs["features"]]
                                   + [v for n, v in search.plan if n == "features"]))
     skips = bool(search.best.knobs["skip"]) or any(n == "skip" for n, _ in search.plan)
-    prepared = dict(zip(features, LayerInputs.exchanged(ctx, layer, base.model, own,
+    inputs_kind, fit_kind = kinds
+    prepared = dict(zip(features, inputs_kind.exchanged(ctx, layer, base.model, own,
                                                           [features_transform(base, {"features": f}) for f in features],
                                                           keep_own=skips)))
     screen = base.recipe_screen if search.size > 1 else base.layer_rounds(layer)
@@ -376,7 +393,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     kept: LayerFit | None = None
     fits = []
     while (candidate := search.next()) is not None:
-        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]])
+        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]], fit_kind)
         fits.append(fit)
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
@@ -391,12 +408,13 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     module.eval()
     with torch.no_grad():
         computed = {v: inputs.outputs(v) for v in ctx.views}
+        scores = kept.pair_scores() if layer == base.layers else None
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits))
+                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits), scores)
 
 
 def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
-              knobs: dict[str, object], inputs: LayerInputs) -> LayerFit:
+              knobs: dict[str, object], inputs: LayerInputs, fit_kind: type[LayerFit] = LayerFit) -> LayerFit:
     """A candidate's module (the layer's initial parameters) on its own copy of the prepared inputs."""
     mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
     module = new_layer(mine, layer, own["full"].shape[1])
@@ -404,4 +422,4 @@ def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, tor
         module.load_state_dict(initial)
     prepared = copy.copy(inputs)
     prepared.block = module.block
-    return LayerFit(mine, layer, module, prepared)
+    return fit_kind(mine, layer, module, prepared)

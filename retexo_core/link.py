@@ -1,0 +1,163 @@
+"""Link prediction on partitions: which rows a rank embeds, the link objective, and its metrics.
+
+A rank scores a pair (u, v) where v is owned, as it aggregates the edges into v: by the dot
+product of the two nodes' embeddings. It embeds its owned nodes and the *remote rows* it needs:
+the halo sources of its training edges and the remote sources of its evaluation pairs. A
+layer's embedding of a node is ``block(aggregated inputs)`` (GCN's Â·X row, SAGE's neighbour mean
+and own row), and the aggregated inputs of a layer are frozen in layer-wise training, so each
+layer sends every peer the aggregated rows of its nodes that peer needs once (kind
+``link_rows``), after the layer's halo exchange; every round then embeds the remote rows with the
+current parameters, exactly as their owner would. Nothing else moves per round but the
+gradient sum and validation counts.
+
+Training positives are the stored (training) edges into owned nodes, self loops excluded; each
+round draws as many negatives (a random row this rank embeds, a random owned target) from the
+rank's own stream. The loss is binary cross-entropy on the scores (logits), summed and divided by
+twice the global number of positives, so that summed gradients are those of the mean.
+
+Model selection uses the validation ROC-AUC from a histogram of the scores (``SCORE_BINS`` bins
+of the logits clipped to ±``SCORE_CLIP``; one all-reduce of counts, control); the final metrics
+are exact: every rank sends rank 0 its pairs' scores, labels and splits (no node id), and rank 0
+computes ROC-AUC, MRR and Hits@K per split (``retexo_core.metrics``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from retexo_core.comm.communicator import Communicator
+from retexo_core.data import PAIR_SPLITS, PartData, local_positions
+from retexo_core.exchange import ExchangePlan
+from retexo_core.metrics import histogram_auc, hits_at_k, mean_reciprocal_rank, roc_auc
+
+SCORE_CLIP = 16.0  # validation histogram: logits clipped to +-16
+SCORE_BINS = 1024  # bins of 1/32
+
+
+@dataclass
+class LinkIndex:
+    """The rows one rank embeds and the pairs it scores (positions into those rows).
+
+    Rows: the n owned nodes, then r remote rows grouped by owner (sorted by id within an owner).
+    plan: the ``link_rows`` exchange (owned rows each peer needs; where received rows land).
+    remote_id: (r,) ids of the remote rows.
+    train_src, train_dst: (t,) int64 positives: training edges into owned nodes, no self loops.
+    pair_src, pair_dst: (p,) int64 the evaluation pairs (``PartData.pairs`` order).
+    positives: training positives over all ranks.
+    """
+
+    plan: ExchangePlan
+    remote_id: np.ndarray
+    train_src: torch.Tensor
+    train_dst: torch.Tensor
+    pair_src: torch.Tensor
+    pair_dst: torch.Tensor
+    positives: int
+
+    def to(self, device: torch.device) -> "LinkIndex":
+        return LinkIndex(self.plan, self.remote_id, self.train_src.to(device), self.train_dst.to(device),
+                         self.pair_src.to(device), self.pair_dst.to(device), self.positives)
+
+
+def link_index(comm: Communicator, data: PartData) -> LinkIndex:
+    """Agree with the peers on the remote rows (each rank asks each owner for its ids once, 8 B
+    per id and the counts, control) and index this rank's positives and pairs."""
+    assert data.pairs is not None
+    pairs, n = data.pairs, data.num_owned
+    remote = pairs.src_owner != data.part
+    ids = np.concatenate([data.halo_id, pairs.src_id[remote]])
+    owners = np.concatenate([data.halo_owner, pairs.src_owner[remote]])
+    ids, first = np.unique(ids, return_index=True)
+    owners = owners[first]
+    order = np.lexsort((ids, owners))
+    remote_id, remote_owner = ids[order], owners[order]
+    bounds = np.searchsorted(remote_owner, np.arange(data.num_parts + 1))
+    asked = comm.exchange_variable([torch.from_numpy(remote_id[bounds[j]:bounds[j + 1]]) for j in range(comm.world)],
+                                   "control")
+    send_index = []
+    for j in range(comm.world):
+        wanted = asked[j].numpy() if j != comm.rank else np.empty(0, np.int64)
+        pos = np.searchsorted(data.node_id, wanted)
+        if len(wanted) and (pos.max() >= n or not np.array_equal(data.node_id[pos], wanted)):
+            raise RuntimeError(f"rank {comm.rank}: rank {j} asked for link rows of nodes this partition does not own")
+        send_index.append(pos.astype(np.int64))
+    plan = ExchangePlan(send_index, [np.arange(bounds[j], bounds[j + 1]) for j in range(comm.world)], len(remote_id))
+    src_id = np.where(data.src < n, data.node_id[np.minimum(data.src, n - 1)],
+                      data.halo_id[np.maximum(data.src - n, 0)] if data.num_halo else 0)
+    keep = src_id != data.node_id[data.dst]
+    train_src = local_positions(data.node_id, remote_id, src_id[keep])
+    positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
+    return LinkIndex(plan, remote_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
+                     torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
+                     torch.from_numpy(pairs.dst.astype(np.int64)), int(positives[0]))
+
+
+def pair_scores(emb: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """(p,) dot products of rows ``src`` and ``dst`` of the (rows, d) embeddings (logits)."""
+    return (emb[src] * emb[dst]).sum(dim=-1)
+
+
+def link_loss(emb: torch.Tensor, index: LinkIndex, num_owned: int, gen: torch.Generator) -> torch.Tensor:
+    """Binary cross-entropy of this rank's positives and as many fresh negatives (a random row,
+    a random owned target, drawn from ``gen``), summed and divided by 2 x the global positives."""
+    count = len(index.train_src)
+    neg_src = torch.randint(0, emb.shape[0], (count,), generator=gen, device=gen.device).to(emb.device)
+    neg_dst = torch.randint(0, num_owned, (count,), generator=gen, device=gen.device).to(emb.device)
+    pos = pair_scores(emb, index.train_src, index.train_dst)
+    neg = pair_scores(emb, neg_src, neg_dst)
+    return (F.softplus(-pos).sum() + F.softplus(neg).sum()) / max(2 * index.positives, 1)
+
+
+def score_histogram(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(2, SCORE_BINS) float64 counts of the negatives' and positives' clipped logits."""
+    clipped = scores.double().clamp(-SCORE_CLIP, SCORE_CLIP)
+    bins = ((clipped + SCORE_CLIP) * (SCORE_BINS / (2 * SCORE_CLIP))).long().clamp(max=SCORE_BINS - 1)
+    return torch.stack([torch.bincount(bins[labels == c], minlength=SCORE_BINS).double() for c in (0, 1)])
+
+
+def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, split: np.ndarray,
+                     label: torch.Tensor) -> tuple[float, float]:
+    """(mean BCE loss, ROC-AUC) of the validation pairs over all ranks, from one all-reduce of
+    2 + 2 x SCORE_BINS numbers (control)."""
+    mask = torch.from_numpy(split == "val").to(emb.device)
+    scores = pair_scores(emb, index.pair_src[mask], index.pair_dst[mask])
+    labels = label.to(emb.device)[mask]
+    loss = F.binary_cross_entropy_with_logits(scores, labels, reduction="sum")
+    sent = torch.cat([torch.stack([loss.double(), torch.tensor(float(len(labels)), dtype=torch.float64,
+                                                                  device=emb.device)]),
+                      score_histogram(scores, labels.long()).flatten()]).cpu()
+    total = comm.all_reduce(sent, "control").numpy()
+    if not total[1]:
+        return float("nan"), float("nan")
+    return float(total[0] / total[1]), histogram_auc(total[2:].reshape(2, SCORE_BINS))
+
+
+def link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.Tensor, split: np.ndarray,
+                    hits_k: int) -> list[dict[str, object]]:
+    """Exact ROC-AUC, MRR and Hits@K per split of every rank's pairs: each rank sends rank 0 its
+    (score, label, split) triples (24 B per pair, control; no node id). Rows of
+    ``run_evaluation`` (rank 0's are the real ones; the others' metrics are NaN)."""
+    code = torch.zeros(len(split), dtype=torch.float64)
+    for k, name in enumerate(PAIR_SPLITS):
+        code[torch.from_numpy(split == name)] = k
+    local = torch.stack([scores.detach().cpu().double(), label.cpu().double(), code], dim=1)
+    got = comm.exchange_variable([local if j == 0 else local[:0] for j in range(comm.world)], "control")
+    everything = torch.cat([local] + [got[j] for j in range(1, comm.world)]).numpy() if comm.rank == 0 else None
+    rows: list[dict[str, object]] = []
+    for k, name in enumerate(PAIR_SPLITS):
+        metrics = {"roc_auc": math.nan, "mrr": math.nan, "hits_at_k": math.nan}
+        count = 0
+        if everything is not None:
+            mine = everything[everything[:, 2] == k]
+            pos, neg = mine[mine[:, 1] == 1, 0], mine[mine[:, 1] == 0, 0]
+            count = len(mine)
+            metrics = {"roc_auc": roc_auc(mine[:, 0], mine[:, 1].astype(np.int64)),
+                       "mrr": mean_reciprocal_rank(pos, neg), "hits_at_k": hits_at_k(pos, neg, hits_k)}
+        rows.append({"split": name, "accuracy": math.nan, "macro_f1": math.nan, **metrics, "k": hits_k,
+                     "pairs": count, "nodes": 0})
+    return rows
