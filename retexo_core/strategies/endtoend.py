@@ -61,6 +61,15 @@ def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph:
     return outputs
 
 
+def link_rows(ctx: WorkerContext, out: torch.Tensor) -> torch.Tensor:
+    """Task link: the owned embeddings (n, d) followed by the remote rows this rank scores pairs
+    with (``LinkIndex``), which their owners send every epoch (kind ``halo_embeddings``; their
+    gradients go back as ``halo_grads``); the owned embeddings alone for the node task or one rank."""
+    if ctx.link is None or ctx.comm.world == 1:
+        return out
+    return torch.cat([out, halo_rows(ctx.comm, ctx.link.plan, out, ctx.config.layers + 1)])
+
+
 def varco_ratio(epoch: int, epochs: int, c_max: float, c_min: float, schedule: str) -> float:
     """VARCO's compression ratio at ``epoch``: ``c_max`` throughout (``fixed``), or moving linearly
     from ``c_max`` at the first epoch to ``c_min`` at the last (``linear``)."""
@@ -141,8 +150,8 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
         blocks.train()
         optimizer.zero_grad()
         outputs = forward(ctx, blocks, x_local, graph, plan, gen)
-        if ctx.link is not None:  # task link (centralized: every row is owned)
-            link_loss(outputs[-1], ctx.link, data.num_owned, gen).backward()
+        if ctx.link is not None:  # task link
+            link_loss(link_rows(ctx, outputs[-1]), ctx.link, data.num_owned, gen).backward()
         else:
             train_loss(ctx, outputs[-1], global_mean=True).backward()
         comm.layer = 0
@@ -151,7 +160,7 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
         if (epoch + 1) % cfg.eval_every and epoch != cfg.epochs - 1:
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs,
-                 lambda: forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1], best,
+                 lambda: link_rows(ctx, forward(ctx, blocks, x_local, ctx.graphs["val"], ctx.plans["val"])[-1]), best,
                  stats_of=None if ctx.link is None else link_stats_of(ctx))
         if best.stale(epoch, cfg.patience):
             break
@@ -161,8 +170,9 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
     comm.epoch = -1
     with torch.no_grad():
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
-    outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
-    scores = None if ctx.link is None else pair_scores(outputs["full"][-1], ctx.link.pair_src, ctx.link.pair_dst)
+        outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
+        scores = None if ctx.link is None else pair_scores(link_rows(ctx, outputs["full"][-1]), ctx.link.pair_src,
+                                                           ctx.link.pair_dst)
     return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, scores)
 
 

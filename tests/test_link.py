@@ -1,0 +1,149 @@
+"""The link task: the split, the pairs per partition, what workers see, metrics and bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from graphstore.ingest.api import ingest_synthetic
+from graphstore.ingest.link_split import LinkSplitOptions, split_links
+from graphstore.ingest.splits import SplitFractions
+from graphstore.ingest.synthetic import SyntheticOptions
+from graphstore.layout import LINK_PAIRS, PART_PAIRS, Store
+from graphstore.partition.build import build_partition
+from graphstore.partition.methods import PartitionOptions
+from graphstore.parquet_io import read_table
+from graphstore.sql_query import query
+from retexo_core.data import load_part
+from retexo_core.metrics import hits_at_k, mean_reciprocal_rank, roc_auc
+from training_helpers import F, HIDDEN, K, comm_log, halo_total, small_config, train
+
+
+def query_rows(store: Store, sql: str) -> list[tuple[object, ...]]:
+    return query(store, sql)[1]
+
+
+def edge_keys(src: np.ndarray, dst: np.ndarray) -> set[tuple[int, int]]:
+    return set(zip(src.tolist(), dst.tolist()))
+
+
+@pytest.fixture(scope="module")
+def link_graph(tmp_path_factory: pytest.TempPathFactory):
+    """A 300-node SBM (dense features), its link split and a random partition into K parts."""
+    store = Store.open(tmp_path_factory.mktemp("link-store"))
+    source = ingest_synthetic(store, "sbm", SyntheticOptions(nodes=300, avg_degree=8, classes=3, features=F, seed=2),
+                              SplitFractions(seed=2))
+    dataset = split_links(store, source, "sbm_link", LinkSplitOptions(val=0.1, test=0.2, seed=4))
+    partition = build_partition(store, dataset, PartitionOptions(method="random", parts=K, seed=0))
+    return store, source, dataset, partition
+
+
+def test_split_holds_out_edges_and_draws_negatives_once(link_graph) -> None:
+    store, source, dataset, _ = link_graph
+    full = read_table(source.path / "edges.parquet")
+    every = edge_keys(full.column("src").to_numpy(), full.column("dst").to_numpy())
+    kept = read_table(dataset.path / "edges.parquet")
+    training = edge_keys(kept.column("src").to_numpy(), kept.column("dst").to_numpy())
+    pairs = read_table(dataset.path / LINK_PAIRS).to_pandas()
+    undirected = len([1 for u, v in every if u < v])
+    for split, fraction in (("val", 0.1), ("test", 0.2)):
+        mine = pairs[pairs.split == split]
+        positive, negative = mine[mine.label == 1], mine[mine.label == 0]
+        assert len(positive) == len(negative) == int(fraction * undirected)
+        for u, v in zip(positive.src, positive.dst):
+            assert (u, v) in every and (v, u) in every  # a real edge ...
+            assert (u, v) not in training and (v, u) not in training  # ... held out both ways
+        for u, v in zip(negative.src, negative.dst):
+            assert u != v and (u, v) not in every and (v, u) not in every
+    held = len(pairs[pairs.label == 1])
+    assert len(training) == len(every) - 2 * held
+    assert len(set(zip(pairs.src, pairs.dst))) == len(pairs)  # every pair once
+    again = split_links(store, source, "sbm_link", LinkSplitOptions(val=0.1, test=0.2, seed=4))
+    assert again.fp == dataset.fp and not again.created
+
+
+def test_pairs_go_to_the_target_owner_and_no_held_out_edge_reaches_a_worker(link_graph) -> None:
+    _, _, dataset, partition = link_graph
+    pairs = read_table(dataset.path / LINK_PAIRS).to_pandas()
+    held = edge_keys(pairs.src[pairs.label == 1].to_numpy(), pairs.dst[pairs.label == 1].to_numpy())
+    assignment = dict(zip(*(pq.read_table(partition.path / "assignment.parquet").column(c).to_numpy()
+                            for c in ("node_id", "part"))))
+    seen = 0
+    for part in range(K):
+        data = load_part(partition.path, part)  # what the worker of this part holds
+        ids = np.concatenate([data.node_id, data.halo_id])
+        adjacency = edge_keys(ids[data.src], data.node_id[data.dst])
+        assert not adjacency & held and not adjacency & {(v, u) for u, v in held}
+        mine = read_table(partition.path / f"part={part}" / PART_PAIRS).to_pandas()
+        assert all(assignment[d] == part for d in mine.dst)
+        assert all(assignment[s] == o for s, o in zip(mine.src, mine.src_owner))
+        assert data.pairs is not None and len(data.pairs.src_id) == len(mine)
+        seen += len(mine)
+    assert seen == len(pairs)
+
+
+def test_retexo_link_metrics_equal_one_process_and_link_rows_bytes_are_exact(link_graph) -> None:
+    store, _, dataset, partition = link_graph
+    config = small_config(task="link", link_dim=4, rounds=[4, 3], normalize_features="none")
+    plan = train(store, dataset, partition, config)
+    scores = query_rows(store, f"SELECT split, label, score FROM link_scores WHERE run = '{plan.run_fp}'")
+    evaluation = {r[0]: r for r in query_rows(store, "SELECT split, roc_auc, mrr, hits_at_k, pairs FROM "
+                                                     f"run_evaluation WHERE run = '{plan.run_fp}'")}
+    pairs = read_table(dataset.path / LINK_PAIRS)
+    assert len(scores) == pairs.num_rows
+    for split in ("val", "test"):
+        mine = np.array([(label, score) for s, label, score in scores if s == split])
+        pos, neg = mine[mine[:, 0] == 1, 1], mine[mine[:, 0] == 0, 1]
+        _, auc, mrr, hits, count = evaluation[split]
+        assert count == len(mine)
+        assert auc == pytest.approx(roc_auc(mine[:, 1], mine[:, 0].astype(np.int64)), abs=1e-6)
+        assert mrr == pytest.approx(mean_reciprocal_rank(pos, neg), abs=1e-6)
+        assert hits == pytest.approx(hits_at_k(pos, neg, config.hits_k), abs=1e-6)
+    # link_rows: per layer, every rank sends each peer the aggregated rows of the nodes that peer
+    # needs (its halo sources and its pairs' remote sources), float32, width F then HIDDEN
+    assert comm_log(plan)["link_rows"] == needed_rows(partition) * 4 * (F + HIDDEN)
+
+
+def needed_rows(partition) -> int:  # noqa: ANN001
+    """Rows all ranks together receive to score their pairs and positives: per rank, the union of
+    its halo and its pairs' remote sources."""
+    total = 0
+    for part in range(K):
+        data = load_part(partition.path, part)
+        assert data.pairs is not None
+        total += len(np.union1d(data.halo_id, data.pairs.src_id[data.pairs.src_owner != part]))
+    return total
+
+
+def test_standard_link_sends_the_last_embeddings_every_epoch(link_graph) -> None:
+    store, _, dataset, partition = link_graph
+    epochs, width = 3, 4
+    plan = train(store, dataset, partition, small_config(task="link", link_dim=width, strategy="standard",
+                                                         epochs=epochs, normalize_features="none"))
+    # every forward (training, validation each epoch, the final scoring) sends the hidden halo rows
+    # and the last layer's rows of the remote nodes; every backward sends their gradients back
+    per_forward = 4 * (halo_total(partition) * HIDDEN + needed_rows(partition) * width)
+    sent = comm_log(plan)
+    assert sent["halo_embeddings"] == (2 * epochs + 1) * per_forward
+    assert sent["halo_grads"] == epochs * per_forward
+    rows = query_rows(store, f"SELECT count(*) FROM link_scores WHERE run = '{plan.run_fp}'")
+    assert rows[0][0] == read_table(dataset.path / LINK_PAIRS).num_rows
+
+
+def test_centralized_link_run_and_refusals(link_graph, tmp_path) -> None:
+    store, source, dataset, _ = link_graph
+    plan = train(store, dataset, None, small_config(task="link", link_dim=4, strategy="centralized", epochs=4))
+    rows = query_rows(store, f"SELECT split, roc_auc, pairs FROM run_evaluation WHERE run = '{plan.run_fp}' ORDER BY split")
+    assert [r[0] for r in rows] == ["test", "val"] and all(0 <= r[1] <= 1 and r[2] > 0 for r in rows)
+    assert "link_rows" not in comm_log(plan)  # one process: nothing to exchange
+    for args, expected in (
+        (["train", source.name, "--task", "link"], "has no held-out edges"),
+        (["train", dataset.name], "is a link split"),
+        (["train", dataset.name, "--task", "link", "--model", "gat"], "layer-wise GAT is not supported"),
+        (["train", dataset.name, "--task", "link", "--strategy", "tma"], "task link is trained by retexo, centralized"),
+    ):
+        result = run_cli(*args, store=store.root)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
