@@ -11,9 +11,16 @@ current parameters, exactly as their owner would. Nothing else moves per round b
 gradient sum and validation counts.
 
 Training positives are the stored (training) edges into owned nodes, self loops excluded; each
-round draws as many negatives (a random row this rank embeds, a random owned target) from the
-rank's own stream. The loss is binary cross-entropy on the scores (logits), summed and divided by
-twice the global number of positives, so that summed gradients are those of the mean.
+round draws as many negatives from the rank's own stream: a random owned target and a source
+drawn uniformly from the *whole graph*, as a centralized sampler draws it. A rank cannot embed
+every node, so each peer also sends it, with the same ``link_rows`` exchange, the aggregated rows
+of a random sample of up to ``NEGATIVE_POOL`` of its nodes (the *negative pool*, drawn once per
+launch); a source from peer j's part (probability n_j / N) is a uniform row of that pool, and a
+whole part when it is smaller than the pool. Sampling negatives only among the rows a rank
+happens to hold would draw them from its own part, nodes close to the target (METIS), which are
+harder than the uniform pairs a test split holds. The loss is binary cross-entropy on the scores
+(logits), summed and divided by twice the global number of positives, so that summed gradients
+are those of the mean.
 
 Model selection uses the validation ROC-AUC from a histogram of the scores (``SCORE_BINS`` bins
 of the logits clipped to ±``SCORE_CLIP``; one all-reduce of counts, control); the final metrics
@@ -35,6 +42,7 @@ from retexo_core.data import PAIR_SPLITS, PartData, local_positions
 from retexo_core.exchange import ExchangePlan
 from retexo_core.metrics import histogram_auc, hits_at_k, mean_reciprocal_rank, roc_auc
 
+NEGATIVE_POOL = 4096  # rows each peer sends every rank for its negative sources (a part's nodes when fewer)
 SCORE_CLIP = 16.0  # validation histogram: logits clipped to +-16
 SCORE_BINS = 1024  # bins of 1/32
 
@@ -43,11 +51,15 @@ SCORE_BINS = 1024  # bins of 1/32
 class LinkIndex:
     """The rows one rank embeds and the pairs it scores (positions into those rows).
 
-    Rows: the n owned nodes, then r remote rows grouped by owner (sorted by id within an owner).
-    plan: the ``link_rows`` exchange (owned rows each peer needs; where received rows land).
-    remote_id: (r,) ids of the remote rows.
+    Rows: the n owned nodes, then the r remote rows this rank scores with, grouped by owner
+    (sorted by id within an owner), then the negative pools of the peers (in rank order).
+    plan: the ``link_rows`` exchange (owned rows each peer needs, then the pool sent to it; where
+        received rows land).
+    remote_id: (r,) ids of the remote rows (the pools' ids are their owners' business).
     train_src, train_dst: (t,) int64 positives: training edges into owned nodes, no self loops.
     pair_src, pair_dst: (p,) int64 the evaluation pairs (``PartData.pairs`` order).
+    negative_weight: (rows,) float64 how likely each row is drawn as a negative source: 1 for an
+        owned row, n_j / (pool size) for a row of peer j's pool, 0 for the other remote rows.
     positives: training positives over all ranks.
     """
 
@@ -57,16 +69,19 @@ class LinkIndex:
     train_dst: torch.Tensor
     pair_src: torch.Tensor
     pair_dst: torch.Tensor
+    negative_weight: torch.Tensor
     positives: int
 
     def to(self, device: torch.device) -> "LinkIndex":
         return LinkIndex(self.plan, self.remote_id, self.train_src.to(device), self.train_dst.to(device),
-                         self.pair_src.to(device), self.pair_dst.to(device), self.positives)
+                         self.pair_src.to(device), self.pair_dst.to(device), self.negative_weight.to(device),
+                         self.positives)
 
 
-def link_index(comm: Communicator, data: PartData) -> LinkIndex:
+def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     """Agree with the peers on the remote rows (each rank asks each owner for its ids once, 8 B
-    per id and the counts, control) and index this rank's positives and pairs."""
+    per id, and tells every peer its number of nodes, 8 B; control), draw the negative pool each
+    peer gets (``seed``), and index this rank's positives and pairs."""
     assert data.pairs is not None
     pairs, n = data.pairs, data.num_owned
     remote = pairs.src_owner != data.part
@@ -86,7 +101,21 @@ def link_index(comm: Communicator, data: PartData) -> LinkIndex:
         if len(wanted) and (pos.max() >= n or not np.array_equal(data.node_id[pos], wanted)):
             raise RuntimeError(f"rank {comm.rank}: rank {j} asked for link rows of nodes this partition does not own")
         send_index.append(pos.astype(np.int64))
-    plan = ExchangePlan(send_index, [np.arange(bounds[j], bounds[j + 1]) for j in range(comm.world)], len(remote_id))
+    sizes = comm.exchange_counts([n] * comm.world)
+    sizes[comm.rank] = n
+    pools = [min(sizes[j], NEGATIVE_POOL) if j != comm.rank else 0 for j in range(comm.world)]
+    rng = np.random.default_rng([seed, comm.rank])
+    for j in range(comm.world):
+        if j != comm.rank:
+            send_index[j] = np.concatenate([send_index[j], np.sort(rng.choice(n, min(n, NEGATIVE_POOL), replace=False))])
+    starts = len(remote_id) + np.concatenate([[0], np.cumsum(pools)])
+    recv_index = [np.concatenate([np.arange(bounds[j], bounds[j + 1]), np.arange(starts[j], starts[j + 1])])
+                  for j in range(comm.world)]
+    plan = ExchangePlan(send_index, recv_index, int(starts[-1]))
+    weight = np.zeros(n + plan.num_halo)
+    weight[:n] = 1.0
+    for j in range(comm.world):
+        weight[n + starts[j]:n + starts[j + 1]] = sizes[j] / max(pools[j], 1)
     src_id = np.where(data.src < n, data.node_id[np.minimum(data.src, n - 1)],
                       data.halo_id[np.maximum(data.src - n, 0)] if data.num_halo else 0)
     keep = src_id != data.node_id[data.dst]
@@ -94,7 +123,7 @@ def link_index(comm: Communicator, data: PartData) -> LinkIndex:
     positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
     return LinkIndex(plan, remote_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
                      torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
-                     torch.from_numpy(pairs.dst.astype(np.int64)), int(positives[0]))
+                     torch.from_numpy(pairs.dst.astype(np.int64)), torch.from_numpy(weight), int(positives[0]))
 
 
 def pair_scores(emb: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -103,10 +132,14 @@ def pair_scores(emb: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torc
 
 
 def link_loss(emb: torch.Tensor, index: LinkIndex, num_owned: int, gen: torch.Generator) -> torch.Tensor:
-    """Binary cross-entropy of this rank's positives and as many fresh negatives (a random row,
-    a random owned target, drawn from ``gen``), summed and divided by 2 x the global positives."""
+    """Binary cross-entropy of this rank's positives and as many fresh negatives (a source
+    uniform over the graph: ``negative_weight``; a random owned target; drawn from ``gen``),
+    summed and divided by 2 x the global positives."""
     count = len(index.train_src)
-    neg_src = torch.randint(0, emb.shape[0], (count,), generator=gen, device=gen.device).to(emb.device)
+    if not count:
+        return emb.sum() * 0.0  # no positive here: this rank adds nothing (and still takes part in the sync)
+    weight = index.negative_weight.to(gen.device)
+    neg_src = torch.multinomial(weight, count, replacement=True, generator=gen).to(emb.device)
     neg_dst = torch.randint(0, num_owned, (count,), generator=gen, device=gen.device).to(emb.device)
     pos = pair_scores(emb, index.train_src, index.train_dst)
     neg = pair_scores(emb, neg_src, neg_dst)

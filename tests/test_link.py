@@ -17,6 +17,7 @@ from graphstore.partition.methods import PartitionOptions
 from graphstore.parquet_io import read_table
 from graphstore.sql_query import query
 from retexo_core.data import load_part
+from retexo_core.link import NEGATIVE_POOL
 from retexo_core.metrics import hits_at_k, mean_reciprocal_rank, roc_auc
 from training_helpers import F, HIDDEN, K, comm_log, halo_total, small_config, train
 
@@ -107,13 +108,16 @@ def test_retexo_link_metrics_equal_one_process_and_link_rows_bytes_are_exact(lin
 
 
 def needed_rows(partition) -> int:  # noqa: ANN001
-    """Rows all ranks together receive to score their pairs and positives: per rank, the union of
-    its halo and its pairs' remote sources."""
+    """Rows all ranks together receive to score their pairs, positives and negatives: per rank,
+    the union of its halo and its pairs' remote sources, and every peer's negative pool (the
+    peer's part, or NEGATIVE_POOL of its nodes)."""
     total = 0
+    sizes = [load_part(partition.path, part).num_owned for part in range(K)]
     for part in range(K):
         data = load_part(partition.path, part)
         assert data.pairs is not None
         total += len(np.union1d(data.halo_id, data.pairs.src_id[data.pairs.src_owner != part]))
+        total += sum(min(size, NEGATIVE_POOL) for peer, size in enumerate(sizes) if peer != part)
     return total
 
 

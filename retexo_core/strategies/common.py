@@ -113,7 +113,7 @@ def make_context(comm: Communicator, data: PartData, config: TrainConfig, device
     full = local_graph(config.model, data.src, data.dst, plan.degree["full"], n, sources)
     if not inductive:
         every = full_plan(plan)
-        link = link_index(comm, data) if config.task == "link" else None
+        link = link_index(comm, data, config.seed) if config.task == "link" else None
         return WorkerContext(comm, data, config, plan, train_count, dict.fromkeys(VIEWS, full),
                              dict.fromkeys(VIEWS, every), link=link).on(device)
     graphs, plans = {"full": full}, {"full": full_plan(plan)}
