@@ -1,6 +1,6 @@
 """Link prediction on real graphs: the plain PyG reference (``examples/link_pred.py``'s recipe,
 ``benchmarks/pyg_link_reference.py``) against the project's ``centralized`` and ``retexo`` on the
-same stored split, per seed: test and validation ROC-AUC, MRR and Hits@K, bytes, training time.
+same stored split (and ``standard``, full-graph training over the same partition), per seed: test and validation ROC-AUC, MRR and Hits@K, bytes, training time.
 
 Each seed draws its own split (``retexo ingest link-split --link-seed <seed>``: 5 % of the edges
 for validation, 10 % for test, as many negatives, PyG's fractions), and every row of that seed is
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--parts", type=int, default=4)
     parser.add_argument("--hits-k", type=int, default=50)
-    parser.add_argument("--what", default="reference,centralized,retexo")
+    parser.add_argument("--what", default="reference,centralized,standard,retexo")
     parser.add_argument("--store", default="/tmp/retexo-link-bench")
     args = parser.parse_args()
     store = Store.open(args.store)
@@ -96,6 +96,9 @@ def main() -> None:
                 rows.append(reference_row(dataset, seed, args.hits_k))
             if "centralized" in wanted:
                 rows.append(pipeline_row(store, dataset, "centralized", 1, args.hits_k, strategy="centralized", seed=seed))
+            if "standard" in wanted:
+                rows.append(pipeline_row(store, dataset, f"standard ({args.parts} parts)", args.parts, args.hits_k,
+                                         strategy="standard", seed=seed))
             if "retexo" in wanted:
                 rows.append(pipeline_row(store, dataset, f"retexo ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="retexo", seed=seed))
