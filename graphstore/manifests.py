@@ -182,11 +182,15 @@ class RunManifest(Manifest):
     def accuracy(self, split: str) -> float:
         return next(float(r["accuracy"]) for r in self.evaluation if r["split"] == split)
 
+    def score_name(self, split: str) -> str:
+        """``roc_auc`` for a link or two-class task (when computed), ``accuracy`` otherwise."""
+        auc = next(r for r in self.evaluation if r["split"] == split).get("roc_auc")
+        return "roc_auc" if auc is not None and auc == auc else "accuracy"
+
     def score(self, split: str) -> float:
-        """The split's ROC-AUC for a two-class task (when computed), its accuracy otherwise."""
+        """The split's ROC-AUC for a link or two-class task (when computed), its accuracy otherwise."""
         row = next(r for r in self.evaluation if r["split"] == split)
-        auc = row.get("roc_auc")
-        return float(auc) if auc is not None and auc == auc else float(row["accuracy"])
+        return float(row[self.score_name(split)])
 
 
 AnyManifest = DatasetManifest | PartitionManifest | LayerManifest | RunManifest

@@ -37,13 +37,20 @@ def evaluate_incumbent(params: RunRequest, incumbent: RunManifest) -> RunManifes
     return summary
 
 
+def val_score(run: RunManifest) -> float:
+    """What the gate compares: the validation ROC-AUC for a link or two-class task, else the
+    validation accuracy (the score model selection maximised; 0 when there is none)."""
+    value = run.score("val") if run.evaluation else float("nan")
+    return value if value == value else 0.0
+
+
 def decide(params: RunRequest, gate: PromotionOptions, candidate: RunManifest) -> PromotionRecord:
     """Apply the gate's rule to ``candidate`` (see ``graphstore.promotion``)."""
     store = Store.open(params.store)
     pipeline = str(gate.pipeline)
     current = latest_decision(store, pipeline)
     common: dict[str, Any] = dict(pipeline=pipeline, run=candidate.fp, dataset=candidate.dataset,
-                                  val_acc=candidate.val_acc or 0.0, tolerance=gate.tolerance)
+                                  val_acc=val_score(candidate), tolerance=gate.tolerance)
     if current is None:
         return PromotionRecord(**common, decision="promoted", incumbent=None, incumbent_val_acc=None,
                                incumbent_evaluation_run=None, promoted_run=candidate.fp, serving_run=candidate.fp,
@@ -54,12 +61,12 @@ def decide(params: RunRequest, gate: PromotionOptions, candidate: RunManifest) -
     incumbent = completed_run(store, current.promoted_run)
     if spec(incumbent.strategy).warm_startable:
         evaluation = evaluate_incumbent(params, incumbent)
-        old_acc, evaluation_run, where = evaluation.val_acc or 0.0, evaluation.fp, "re-evaluated on this data"
+        old_acc, evaluation_run, where = val_score(evaluation), evaluation.fp, "re-evaluated on this data"
     else:  # tma / grappa models cannot be loaded into a run: compare with what they scored on their data
-        old_acc, evaluation_run, where = incumbent.val_acc or 0.0, None, "as recorded on its own data"
+        old_acc, evaluation_run, where = val_score(incumbent), None, "as recorded on its own data"
     promoted = passes_gate(common["val_acc"], old_acc, gate.tolerance)
     verdict = ">=" if promoted else "<"
-    reason = (f"val accuracy {common['val_acc']:.4f} {verdict} {old_acc:.4f} - {gate.tolerance:g} "
+    reason = (f"val {candidate.score_name('val')} {common['val_acc']:.4f} {verdict} {old_acc:.4f} - {gate.tolerance:g} "
               f"(promoted run {incumbent.fp}, {where})")
     return PromotionRecord(**common, decision="promoted" if promoted else "refused", incumbent=incumbent.fp,
                            incumbent_val_acc=old_acc, incumbent_evaluation_run=evaluation_run,
@@ -69,8 +76,8 @@ def decide(params: RunRequest, gate: PromotionOptions, candidate: RunManifest) -
 
 def decision_markdown(record: PromotionRecord) -> str:
     rows = [("decision", record.decision), ("candidate run", record.run), ("dataset version", record.dataset),
-            ("candidate val accuracy", f"{record.val_acc:.4f}"), ("promoted run before", record.incumbent or "none"),
-            ("its val accuracy on this data", "" if record.incumbent_val_acc is None else f"{record.incumbent_val_acc:.4f}"),
+            ("candidate val score (accuracy, or ROC-AUC: links, two classes)", f"{record.val_acc:.4f}"), ("promoted run before", record.incumbent or "none"),
+            ("its val score on this data", "" if record.incumbent_val_acc is None else f"{record.incumbent_val_acc:.4f}"),
             ("tolerance", f"{record.tolerance:g}"), ("promoted run now", record.promoted_run),
             ("predictions served from", record.serving_run)]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)

@@ -130,3 +130,27 @@ def test_the_gate_refuses_a_worse_model_and_promotes_within_tolerance(tmp_path: 
     assert state == "COMPLETED" and accepted["promotion"]["decision"] == "promoted"
     assert accepted["promotion"]["promoted_run"] == worse["run"]
     assert sql(store, "SELECT run FROM current_predictions LIMIT 1") == [(worse["run"],)]
+
+
+def test_nightly_link_retraining_gates_on_validation_roc_auc(tmp_path: Path) -> None:
+    """The link task in the nightly pipeline: each export version gets its link split, the run
+    trains on it, and the gate re-evaluates the promoted model on the new pairs (ROC-AUC)."""
+    store, export = tmp_path / "store", tmp_path / "export"
+    export.mkdir()
+    params = nightly(store, export, task="link", link_dim=8).model_dump()
+    params["dataset"]["link_split"] = {"val": 0.1, "test": 0.1, "seed": 0}
+    publish(export, 1, tmp_path)
+    state, first = run(PipelineParams.model_validate(params))
+    assert state == "COMPLETED" and first["promotion"]["decision"] == "promoted"
+    publish(export, 2, tmp_path)
+    state, second = run(PipelineParams.model_validate(params))
+    decision = second["promotion"]
+    assert decision["incumbent"] == first["run"] and "val roc_auc" in decision["reason"]
+    assert (state == "COMPLETED") == (decision["decision"] == "promoted")
+    name, pairs = sql(store, f"SELECT d.name, count(*) FROM link_pairs p JOIN datasets d ON d.fp = p.dataset "
+                             f"WHERE p.dataset = '{second['dataset']}' GROUP BY d.name")[0]
+    assert name == "export_link"
+    for run_fp in (second["run"], decision["incumbent_evaluation_run"]):  # both scored on the new version's pairs
+        assert sql(store, f"SELECT count(*) FROM link_scores WHERE run = '{run_fp}'") == [(pairs,)]
+        auc = sql(store, f"SELECT roc_auc FROM run_evaluation WHERE run = '{run_fp}' AND split = 'val'")[0][0]
+        assert 0.5 < auc <= 1.0

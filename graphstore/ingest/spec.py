@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphstore.ingest.api import ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
 from graphstore.ingest.features import RequestedFormat
+from graphstore.ingest.link_split import LinkSplitOptions, split_links
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.ingest.tables import TableOptions, find_table_files
@@ -38,6 +39,9 @@ class DatasetSpec(BaseModel):
     synthetic: SyntheticOptions | None = None
     split: SplitFractions = Field(default_factory=SplitFractions)
     force: bool = False  # tables / synthetic: ingest even when the memory estimate exceeds the available memory
+    link_split: LinkSplitOptions | None = Field(
+        None, description="Derive the link dataset '<name>_link' from each ingested version (held-out edges and "
+        "pairs: `retexo ingest link-split`), for `train.task: link`")
 
     @model_validator(mode="after")
     def _complete(self) -> "DatasetSpec":
@@ -53,7 +57,15 @@ class DatasetSpec(BaseModel):
 
 
 def ingest_source(store: Store, spec: DatasetSpec) -> DatasetRef:
-    """Ingest ``spec`` (a no-op when the store already has this fingerprint)."""
+    """Ingest ``spec`` (a no-op when the store already has this fingerprint); with ``link_split``
+    the link dataset derived from it."""
+    ref = ingested(store, spec)
+    if spec.link_split is None:
+        return ref
+    return split_links(store, ref, f"{spec.name}_link", spec.link_split)
+
+
+def ingested(store: Store, spec: DatasetSpec) -> DatasetRef:
     if spec.source == "store":
         return find_dataset(store, spec.name)
     if spec.source == "planetoid":
