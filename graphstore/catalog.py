@@ -169,6 +169,11 @@ VIEWS: list[ViewSpec] = [
         _cols("run VARCHAR, part INTEGER, src BIGINT, dst BIGINT, score FLOAT, label TINYINT, split VARCHAR"),
     ),
     ViewSpec(
+        "recommendations", "parquet", "runs/run=*/layer=*/part=*/recommendations.parquet",
+        "run, CAST(part AS INTEGER) AS part, node_id, candidate, score, rank",
+        _cols("run VARCHAR, part INTEGER, node_id BIGINT, candidate BIGINT, score FLOAT, rank INTEGER"),
+    ),
+    ViewSpec(
         "link_pairs", "parquet", "datasets/name=*/fp=*/link_pairs.parquet",
         "fp AS dataset, src, dst, label, split",
         _cols("dataset VARCHAR, src BIGINT, dst BIGINT, label TINYINT, split VARCHAR"),

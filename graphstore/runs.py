@@ -29,6 +29,7 @@ from graphstore.parquet_io import COMPRESSION, features_array, features_matrix, 
 
 PREDICTIONS = "predictions.parquet"
 LINK_SCORES = "link_scores.parquet"  # task link: a rank's evaluation pairs scored by the last layer
+RECOMMENDATIONS = "recommendations.parquet"  # task link with --recommend: a rank's nodes' best candidates
 
 
 def write_embeddings(path: Path, node_id: np.ndarray, h: np.ndarray, views: dict[str, np.ndarray] | None = None) -> None:

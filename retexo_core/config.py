@@ -58,6 +58,9 @@ class TrainConfig(BaseModel):
     link_dim: int = option(64, "task link: width of the embeddings whose dot products score node pairs (the last "
                            "layer's output; every hidden layer of layer-wise training is trained with a linear "
                            "head to this width).", scope="layer", ge=1)
+    recommend: int = option(0, "task link: write each node's best K candidates (a node it has no training edge "
+                            "with, scored by the node's owner among the nodes it embeds) to the recommendations "
+                            "view; 0: none.", scope="layer", ge=0)
     hits_k: int = option(50, "task link: K of Hits@K (the share of positive pairs scored above the K-th highest "
                          "negative pair of their split).", scope="run", ge=1)
     setting: Literal["transductive", "inductive"] = option(

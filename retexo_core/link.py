@@ -55,7 +55,7 @@ class LinkIndex:
     (sorted by id within an owner), then the negative pools of the peers (in rank order).
     plan: the ``link_rows`` exchange (owned rows each peer needs, then the pool sent to it; where
         received rows land).
-    remote_id: (r,) ids of the remote rows (the pools' ids are their owners' business).
+    row_id: (rows,) the node id of every row (a pool's ids come with it, 8 B each, control).
     train_src, train_dst: (t,) int64 positives: training edges into owned nodes, no self loops.
     pair_src, pair_dst: (p,) int64 the evaluation pairs (``PartData.pairs`` order).
     negative_weight: (rows,) float64 how likely each row is drawn as a negative source: 1 for an
@@ -64,7 +64,7 @@ class LinkIndex:
     """
 
     plan: ExchangePlan
-    remote_id: np.ndarray
+    row_id: np.ndarray
     train_src: torch.Tensor
     train_dst: torch.Tensor
     pair_src: torch.Tensor
@@ -73,7 +73,7 @@ class LinkIndex:
     positives: int
 
     def to(self, device: torch.device) -> "LinkIndex":
-        return LinkIndex(self.plan, self.remote_id, self.train_src.to(device), self.train_dst.to(device),
+        return LinkIndex(self.plan, self.row_id, self.train_src.to(device), self.train_dst.to(device),
                          self.pair_src.to(device), self.pair_dst.to(device), self.negative_weight.to(device),
                          self.positives)
 
@@ -105,9 +105,10 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     sizes[comm.rank] = n
     pools = [min(sizes[j], NEGATIVE_POOL) if j != comm.rank else 0 for j in range(comm.world)]
     rng = np.random.default_rng([seed, comm.rank])
-    for j in range(comm.world):
-        if j != comm.rank:
-            send_index[j] = np.concatenate([send_index[j], np.sort(rng.choice(n, min(n, NEGATIVE_POOL), replace=False))])
+    pool_sent = [np.sort(rng.choice(n, min(n, NEGATIVE_POOL), replace=False)) if j != comm.rank else np.empty(0, np.int64)
+                 for j in range(comm.world)]
+    pool_id = comm.exchange_variable([torch.from_numpy(data.node_id[p]) for p in pool_sent], "control")
+    send_index = [np.concatenate([sent, pool]) for sent, pool in zip(send_index, pool_sent)]
     starts = len(remote_id) + np.concatenate([[0], np.cumsum(pools)])
     recv_index = [np.concatenate([np.arange(bounds[j], bounds[j + 1]), np.arange(starts[j], starts[j + 1])])
                   for j in range(comm.world)]
@@ -121,7 +122,8 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     keep = src_id != data.node_id[data.dst]
     train_src = local_positions(data.node_id, remote_id, src_id[keep])
     positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
-    return LinkIndex(plan, remote_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
+    row_id = np.concatenate([data.node_id, remote_id, *(pool_id[j].numpy() for j in range(comm.world) if j != comm.rank)])
+    return LinkIndex(plan, row_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
                      torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
                      torch.from_numpy(pairs.dst.astype(np.int64)), torch.from_numpy(weight), int(positives[0]))
 
@@ -194,3 +196,37 @@ def link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.Tenso
         rows.append({"split": name, "accuracy": math.nan, "macro_f1": math.nan, **metrics, "k": hits_k,
                      "pairs": count, "nodes": 0})
     return rows
+
+
+RECOMMEND_CHUNK = 1024  # owned rows scored at once: (chunk, candidates) scores in memory
+
+
+def recommendations(emb: torch.Tensor, index: LinkIndex, data: PartData, k: int) -> dict[str, np.ndarray]:
+    """Each owned node's ``k`` best candidates among the nodes this rank embeds (every row with a
+    distinct id: its own part, the remote rows it scores with, its peers' negative pools), by score,
+    never the node itself nor a node with a training edge into it (every edge of an undirected
+    graph). Returns ``node_id, candidate`` (int64), ``score`` (float32 logits) and ``rank``
+    (int32, 1 = best) columns of n x min(k, candidates) rows."""
+    ids, first = np.unique(index.row_id, return_index=True)
+    rows = torch.from_numpy(first).to(emb.device)
+    candidates = emb[rows]
+    n = data.num_owned
+    src_id = index.row_id[index.train_src.cpu().numpy()]
+    taken_dst = index.train_dst.cpu().numpy()
+    taken_col = np.searchsorted(ids, src_id)
+    own_col = np.searchsorted(ids, data.node_id)
+    k = min(k, len(ids) - 1)
+    out: dict[str, list[np.ndarray]] = {"node_id": [], "candidate": [], "score": [], "rank": []}
+    for start in range(0, n, RECOMMEND_CHUNK):
+        stop = min(start + RECOMMEND_CHUNK, n)
+        scores = emb[start:stop] @ candidates.T
+        mine = (taken_dst >= start) & (taken_dst < stop)
+        scores[torch.from_numpy(taken_dst[mine] - start), torch.from_numpy(taken_col[mine])] = float("-inf")
+        scores[torch.arange(stop - start), torch.from_numpy(own_col[start:stop])] = float("-inf")
+        best, where = (t.cpu().numpy() for t in scores.topk(k, dim=1))
+        kept = np.isfinite(best)  # fewer than k candidates left after the exclusions
+        out["node_id"].append(np.repeat(data.node_id[start:stop], k).reshape(-1, k)[kept])
+        out["candidate"].append(ids[where][kept])
+        out["score"].append(best.astype(np.float32)[kept])
+        out["rank"].append(np.tile(np.arange(1, k + 1, dtype=np.int32), (stop - start, 1))[kept])
+    return {name: np.concatenate(parts) if parts else np.empty(0) for name, parts in out.items()}

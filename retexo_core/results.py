@@ -57,6 +57,10 @@ class ResultSink(Protocol):
         """Task link: this part's evaluation pairs scored by the last layer: (p,) source and target
         ids, (p,) float32 logits (dot products), (p,) int8 labels (1: held-out edge), (p,) splits."""
 
+    def write_recommendations(self, part: int, rows: dict[str, np.ndarray]) -> None:
+        """Task link with ``recommend``: this part's nodes' best candidates, columns ``node_id,
+        candidate`` (int64), ``score`` (float32) and ``rank`` (int32, 1 = best)."""
+
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
         """Where this rank is: ``done`` of ``total`` rounds (epochs) of ``layer`` (0: the whole
         model of an end-to-end strategy), the last global validation accuracy and the bytes this

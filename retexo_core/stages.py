@@ -29,7 +29,7 @@ from retexo_core.strategies.common import WorkerContext, final_evaluation, make_
 from retexo_core.strategies.endtoend import EndToEndResult
 from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import apply_knobs, search_for
-from retexo_core.link import link_evaluation
+from retexo_core.link import link_evaluation, pair_scores, recommendations
 from retexo_core.strategies.link import LinkFit, LinkInputs
 from retexo_core.strategies.retexo import LayerFit, LayerInputs, Views, features_transform, train_layer
 
@@ -98,24 +98,28 @@ def write_predictions(ctx: WorkerContext, logits: torch.Tensor, sink: ResultSink
                            score.numpy().astype(np.float32), split)
 
 
-def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], scores: torch.Tensor | None) -> list[dict[str, object]]:
-    """The run's evaluation rows: per node split (``final_evaluation``), or per pair split (task link)."""
-    if scores is None:
+def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], embeddings: torch.Tensor | None
+             ) -> list[dict[str, object]]:
+    """The run's evaluation rows: per node split (``final_evaluation``), or per pair split (task
+    link: ``embeddings`` of every row this rank embeds)."""
+    if embeddings is None or ctx.link is None or ctx.data.pairs is None:
         return final_evaluation(ctx, outputs)
-    pairs = ctx.data.pairs
-    assert pairs is not None
-    return link_evaluation(ctx.comm, scores, pairs.label, pairs.split, ctx.config.hits_k)
+    scores = pair_scores(embeddings, ctx.link.pair_src, ctx.link.pair_dst)
+    return link_evaluation(ctx.comm, scores, ctx.data.pairs.label, ctx.data.pairs.split, ctx.config.hits_k)
 
 
-def write_outcome(ctx: WorkerContext, logits: torch.Tensor, scores: torch.Tensor | None, sink: ResultSink) -> None:
-    """This rank's predictions (node task) or its evaluation pairs' scores (task link)."""
-    pairs = ctx.data.pairs
-    if scores is None or pairs is None:
+def write_outcome(ctx: WorkerContext, logits: torch.Tensor, embeddings: torch.Tensor | None, sink: ResultSink) -> None:
+    """This rank's predictions (node task), or its evaluation pairs' scores and, with
+    ``recommend``, its nodes' recommendations (task link)."""
+    pairs, index = ctx.data.pairs, ctx.link
+    if embeddings is None or pairs is None or index is None:
         write_predictions(ctx, logits, sink)
         return
-    dst_id = ctx.data.node_id[pairs.dst]
-    sink.write_link_scores(ctx.data.part, pairs.src_id, dst_id, scores.detach().cpu().numpy().astype(np.float32),
+    scores = pair_scores(embeddings, index.pair_src, index.pair_dst).cpu().numpy().astype(np.float32)
+    sink.write_link_scores(ctx.data.part, pairs.src_id, ctx.data.node_id[pairs.dst], scores,
                            pairs.label.numpy().astype(np.int8), pairs.split)
+    if ctx.config.recommend:
+        sink.write_recommendations(ctx.data.part, recommendations(embeddings, index, ctx.data, ctx.config.recommend))
 
 
 def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
@@ -133,13 +137,13 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         with layer_fits(ctx.device, layer, ctx.comm.world):
             result = train_layer(ctx, layer, own, sink.initial_state(layer), kinds)
         last = layer == cfg.layers
-        evaluation = evaluate(ctx, result.outputs, result.pair_scores) if last else None
+        evaluation = evaluate(ctx, result.outputs, result.link_embeddings) if last else None
         if last:
             sink.gather_traffic(ctx.comm)
         rows, log_start = new_log_rows(ctx, log_start)
         sink.write_part(layer, rank, ctx.data.node_id, stored_views(ctx, result.outputs), rows)  # type: ignore[arg-type]
         if last:
-            write_outcome(ctx, result.outputs["full"], result.pair_scores, sink)
+            write_outcome(ctx, result.outputs["full"], result.link_embeddings, sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
                                recipe=result.recipe)
@@ -192,14 +196,14 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     started = time.perf_counter()
     with layer_fits(ctx.device, 0, ctx.comm.world):
         ctx, result, recipe = train_candidates(ctx, sink, load_refresh)
-    evaluation = evaluate(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()}, result.pair_scores)
+    evaluation = evaluate(ctx, {v: per_layer[-1] for v, per_layer in result.outputs.items()}, result.link_embeddings)
     sink.gather_traffic(ctx.comm)
     rows, _ = new_log_rows(ctx, 0)
     for layer in layers:
         outputs = {v: per_layer[layer - 1] for v, per_layer in result.outputs.items()}
         sink.write_part(layer, part, ctx.data.node_id, stored_views(ctx, outputs),
                         rows if layer == layers[-1] else rows.slice(0, 0))  # type: ignore[arg-type]
-    write_outcome(ctx, result.outputs["full"][-1], result.pair_scores, sink)
+    write_outcome(ctx, result.outputs["full"][-1], result.link_embeddings, sink)
     ctx.comm.barrier_uncounted()
     coordinator = ctx.comm.rank == 0
     if not coordinator and not sink.every_rank_commits:

@@ -33,7 +33,7 @@ from graphstore.integrity import record_digests, verify_files
 from graphstore.layout import Store
 from graphstore.manifests import LayerManifest
 from graphstore.parquet_io import COMPRESSION, read_table
-from graphstore.runs import LINK_SCORES, PREDICTIONS, read_embeddings, write_embeddings
+from graphstore.runs import LINK_SCORES, PREDICTIONS, RECOMMENDATIONS, read_embeddings, write_embeddings
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from runner.launcher_watch import ensure_launcher_alive
@@ -202,6 +202,14 @@ class RunFolder:
         pq.write_table(table, path, compression=COMPRESSION)
         fsync_file(path)
         record_digests(path.parent.parent, [f"part={part}/{LINK_SCORES}"], f"rank-{part}-link-scores")
+
+    def write_recommendations(self, part: int, rows: dict[str, np.ndarray]) -> None:
+        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / RECOMMENDATIONS
+        table = pa.table({"node_id": pa.array(rows["node_id"], pa.int64()), "candidate": pa.array(rows["candidate"], pa.int64()),
+                          "score": pa.array(rows["score"], pa.float32()), "rank": pa.array(rows["rank"], pa.int32())})
+        pq.write_table(table, path, compression=COMPRESSION)
+        fsync_file(path)
+        record_digests(path.parent.parent, [f"part={part}/{RECOMMENDATIONS}"], f"rank-{part}-recommendations")
 
     def gather_traffic(self, comm: Communicator) -> None:
         """``ResultSink.gather_traffic``: in a site's run, every site tells the coordinator its

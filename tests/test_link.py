@@ -87,8 +87,9 @@ def test_pairs_go_to_the_target_owner_and_no_held_out_edge_reaches_a_worker(link
 
 def test_retexo_link_metrics_equal_one_process_and_link_rows_bytes_are_exact(link_graph) -> None:
     store, _, dataset, partition = link_graph
-    config = small_config(task="link", link_dim=4, rounds=[4, 3], normalize_features="none")
+    config = small_config(task="link", link_dim=4, rounds=[4, 3], normalize_features="none", recommend=3)
     plan = train(store, dataset, partition, config)
+    check_recommendations(store, dataset, plan.run_fp, 3)
     scores = query_rows(store, f"SELECT split, label, score FROM link_scores WHERE run = '{plan.run_fp}'")
     evaluation = {r[0]: r for r in query_rows(store, "SELECT split, roc_auc, mrr, hits_at_k, pairs FROM "
                                                      f"run_evaluation WHERE run = '{plan.run_fp}'")}
@@ -105,6 +106,22 @@ def test_retexo_link_metrics_equal_one_process_and_link_rows_bytes_are_exact(lin
     # link_rows: per layer, every rank sends each peer the aggregated rows of the nodes that peer
     # needs (its halo sources and its pairs' remote sources), float32, width F then HIDDEN
     assert comm_log(plan)["link_rows"] == needed_rows(partition) * 4 * (F + HIDDEN)
+
+
+def check_recommendations(store: Store, dataset, run: str, k: int) -> None:  # noqa: ANN001
+    """k candidates per node, ranked 1..k by score, never the node itself or a training edge."""
+    rows = query_rows(store, f"SELECT node_id, candidate, score, rank FROM recommendations WHERE run = '{run}' "
+                             "ORDER BY node_id, rank")
+    nodes = read_table(dataset.path / "nodes.parquet").column("node_id").to_numpy()
+    assert len(rows) == k * len(nodes) and {r[0] for r in rows} == set(nodes.tolist())
+    edges = read_table(dataset.path / "edges.parquet")
+    training = edge_keys(edges.column("src").to_numpy(), edges.column("dst").to_numpy())
+    for node in range(0, len(rows), k):
+        mine = rows[node:node + k]
+        assert [r[3] for r in mine] == list(range(1, k + 1))
+        assert [r[2] for r in mine] == sorted((r[2] for r in mine), reverse=True)
+        for node_id, candidate, _, _ in mine:
+            assert candidate != node_id and (candidate, node_id) not in training and (node_id, candidate) not in training
 
 
 def needed_rows(partition) -> int:  # noqa: ANN001
@@ -138,7 +155,9 @@ def test_standard_link_sends_the_last_embeddings_every_epoch(link_graph) -> None
 
 def test_centralized_link_run_and_refusals(link_graph, tmp_path) -> None:
     store, source, dataset, _ = link_graph
-    plan = train(store, dataset, None, small_config(task="link", link_dim=4, strategy="centralized", epochs=4))
+    plan = train(store, dataset, None, small_config(task="link", link_dim=4, strategy="centralized", epochs=4,
+                                                    recommend=2))
+    check_recommendations(store, dataset, plan.run_fp, 2)
     rows = query_rows(store, f"SELECT split, roc_auc, pairs FROM run_evaluation WHERE run = '{plan.run_fp}' ORDER BY split")
     assert [r[0] for r in rows] == ["test", "val"] and all(0 <= r[1] <= 1 and r[2] > 0 for r in rows)
     assert "link_rows" not in comm_log(plan)  # one process: nothing to exchange

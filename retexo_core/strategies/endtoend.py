@@ -29,7 +29,7 @@ from torch import nn
 from retexo_core.config import TrainConfig
 from retexo_core.data import PartData
 from retexo_core.exchange import ExchangePlan, exchange_rows, halo_rows, sampled_plan, stack_rows
-from retexo_core.link import link_loss, pair_scores
+from retexo_core.link import link_loss
 from retexo_core.models import Features, LocalGraph, build_blocks
 from retexo_core.results import ResultSink
 from retexo_core.strategies.common import BestState, adam, WorkerContext, sync_gradients, train_loss, validate
@@ -44,7 +44,7 @@ class EndToEndResult:
     best_val: float
     epochs: int  # epochs trained (fewer than configured after early stopping)
     loop_seconds: float = 0.0  # spent in the epoch loop (validation included)
-    pair_scores: torch.Tensor | None = None  # task link: (p,) logits of this rank's evaluation pairs
+    link_embeddings: torch.Tensor | None = None  # task link: (rows, link_dim) of every row this rank embeds
 
 
 def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
@@ -171,9 +171,8 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
     with torch.no_grad():
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
         outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
-        scores = None if ctx.link is None else pair_scores(link_rows(ctx, outputs["full"][-1]), ctx.link.pair_src,
-                                                           ctx.link.pair_dst)
-    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, scores)
+        embeddings = None if ctx.link is None else link_rows(ctx, outputs["full"][-1])
+    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, embeddings)
 
 
 def train_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]

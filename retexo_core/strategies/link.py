@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from retexo_core.exchange import exchange_rows, stack_rows
-from retexo_core.link import link_loss, pair_scores, validation_stats
+from retexo_core.link import link_loss, validation_stats
 from retexo_core.models import Aggregated, Block, Features
 from retexo_core.strategies.common import SplitStats, WorkerContext, validate
 from retexo_core.strategies.retexo import LayerFit, LayerInputs, Views
@@ -82,5 +82,5 @@ class LinkFit(LayerFit):
         validate(self.ctx, self.module, self.layer, round_, self.rounds, lambda: self.embeddings(False), self.best,
                  stats_of=link_stats_of(self.ctx))
 
-    def pair_scores(self) -> torch.Tensor:
-        return pair_scores(self.embeddings(False), self.index.pair_src, self.index.pair_dst)
+    def link_embeddings(self) -> torch.Tensor:
+        return self.embeddings(False)

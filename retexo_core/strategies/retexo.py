@@ -63,7 +63,7 @@ class LayerResult:
     recipe: dict[str, object]  # the candidate chosen on validation and every candidate's score (empty: no search)
     loop_rounds: int = 0  # rounds all the layer's candidates trained
     loop_seconds: float = 0.0  # their round loops' seconds (validation included; no exchange, aggregation, outputs)
-    pair_scores: torch.Tensor | None = None  # task link, last layer: (p,) logits of this rank's evaluation pairs
+    link_embeddings: torch.Tensor | None = None  # task link, last layer: (rows, link_dim) of every row this rank embeds
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -357,8 +357,8 @@ class LayerFit:
         validate(self.ctx, self.module, self.layer, round_, self.rounds,
                  lambda: self.module.logits(self.prepared.val_outputs()), self.best, rows=self.prepared.eval_rows)
 
-    def pair_scores(self) -> torch.Tensor | None:
-        """The link task's (p,) scores of this rank's evaluation pairs by the module as it is (None here)."""
+    def link_embeddings(self) -> torch.Tensor | None:
+        """The link task's embeddings of every row this rank embeds, by the module as it is (None here)."""
         return None
 
     def finish(self) -> BestState:
@@ -408,9 +408,9 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     module.eval()
     with torch.no_grad():
         computed = {v: inputs.outputs(v) for v in ctx.views}
-        scores = kept.pair_scores() if layer == base.layers else None
+        embeddings = kept.link_embeddings() if layer == base.layers else None
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits), scores)
+                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits), embeddings)
 
 
 def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
