@@ -1,6 +1,7 @@
 """Link prediction on real graphs: the plain PyG reference (``examples/link_pred.py``'s recipe,
 ``benchmarks/pyg_link_reference.py``) against the project's ``centralized`` and ``retexo`` on the
-same stored split (and ``standard``, full-graph training over the same partition), per seed: test and validation ROC-AUC, MRR and Hits@K, bytes, training time.
+same stored split (and ``standard``, full-graph training over the same METIS partition, and
+RandomTMA / SuperTMA: ``tma`` over a random / supernode partition), per seed: test and validation ROC-AUC, MRR and Hits@K, bytes, training time.
 
 Each seed draws its own split (``retexo ingest link-split --link-seed <seed>``: 5 % of the edges
 for validation, 10 % for test, as many negatives, PyG's fractions), and every row of that seed is
@@ -57,12 +58,13 @@ def reference_row(dataset: DatasetRef, seed: int, hits_k: int) -> dict[str, Any]
             **{f"{s}_{m}": result.metrics[s][m] for s in ("val", "test") for m in METRICS}}
 
 
-def pipeline_row(store: Store, dataset: DatasetRef, what: str, parts: int, hits_k: int, **options: Any) -> dict[str, Any]:
-    """One run of the pipeline (or its stored result)."""
+def pipeline_row(store: Store, dataset: DatasetRef, what: str, parts: int, hits_k: int, method: str = "metis",
+                 **options: Any) -> dict[str, Any]:
+    """One run of the pipeline (or its stored result), over a ``method`` partition."""
     config = TrainConfig(task="link", hits_k=hits_k, timeout_s=1800, **options)
     partition = None
     if not config.strategy_spec.whole_graph:
-        partition = build_partition(store, dataset, PartitionOptions(parts=parts))
+        partition = build_partition(store, dataset, PartitionOptions(method=method, parts=parts, seed=0))
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")
     started = time.perf_counter()
     summary, _ = run_training(plan)
@@ -81,7 +83,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--parts", type=int, default=4)
     parser.add_argument("--hits-k", type=int, default=50)
-    parser.add_argument("--what", default="reference,centralized,standard,retexo")
+    parser.add_argument("--what", default="reference,centralized,standard,tma,retexo")
     parser.add_argument("--store", default="/tmp/retexo-link-bench")
     args = parser.parse_args()
     store = Store.open(args.store)
@@ -99,6 +101,10 @@ def main() -> None:
             if "standard" in wanted:
                 rows.append(pipeline_row(store, dataset, f"standard ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="standard", seed=seed))
+            if "tma" in wanted:
+                for method, name in (("random", "RandomTMA"), ("supernode", "SuperTMA")):
+                    rows.append(pipeline_row(store, dataset, f"{name} ({args.parts} parts)", args.parts, args.hits_k,
+                                             method=method, strategy="tma", seed=seed))
             if "retexo" in wanted:
                 rows.append(pipeline_row(store, dataset, f"retexo ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="retexo", seed=seed))

@@ -27,7 +27,7 @@ Strategy = Literal[NAMES]  # type: ignore[valid-type]
 ModelName = Literal["gcn", "sage", "gat"]
 Compression = Literal["none", "fp16", "int8"]
 Scope = Literal["layer", "per_layer", "run", "none"]
-LINK_STRATEGIES = ("retexo", "centralized", "standard")  # the strategies that train --task link
+LINK_STRATEGIES = ("retexo", "centralized", "standard", "tma")  # the strategies that train --task link
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
 
@@ -53,8 +53,8 @@ class TrainConfig(BaseModel):
     model: ModelName = option("gcn", "gcn | sage | gat.", scope="layer")
     task: Literal["node", "link"] = option(
         "node", "node: classify nodes | link: predict the held-out edges of a link dataset (`retexo ingest link-split`), "
-        "scoring node pairs by the dot product of their last-layer embeddings (retexo, centralized and standard; GCN "
-        "and SAGE layer-wise, every model end to end).", scope="layer")
+        "scoring node pairs by the dot product of their last-layer embeddings (retexo, centralized, standard and tma; "
+        "GCN and SAGE layer-wise, every model end to end).", scope="layer")
     link_dim: int = option(64, "task link: width of the embeddings whose dot products score node pairs (the last "
                            "layer's output; every hidden layer of layer-wise training is trained with a linear "
                            "head to this width).", scope="layer", ge=1)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from retexo_core.comm.communicator import Communicator
-from retexo_core.data import PAIR_SPLITS, PartData, local_positions
+from retexo_core.data import PAIR_SPLITS, LinkPairs, PartData, local_positions
 from retexo_core.exchange import ExchangePlan
 from retexo_core.metrics import histogram_auc, hits_at_k, mean_reciprocal_rank, roc_auc
 
@@ -57,7 +57,9 @@ class LinkIndex:
         received rows land).
     row_id: (rows,) the node id of every row (a pool's ids come with it, 8 B each, control).
     train_src, train_dst: (t,) int64 positives: training edges into owned nodes, no self loops.
-    pair_src, pair_dst: (p,) int64 the evaluation pairs (``PartData.pairs`` order).
+    pair_rows: (p,) int64 positions in ``PartData.pairs`` of the pairs scored (every pair; in
+        isolated training, the pairs whose source is owned).
+    pair_src, pair_dst: (p,) int64 the rows of those pairs' sources and targets.
     negative_weight: (rows,) float64 how likely each row is drawn as a negative source: 1 for an
         owned row, n_j / (pool size) for a row of peer j's pool, 0 for the other remote rows.
     positives: training positives over all ranks.
@@ -67,6 +69,7 @@ class LinkIndex:
     row_id: np.ndarray
     train_src: torch.Tensor
     train_dst: torch.Tensor
+    pair_rows: np.ndarray
     pair_src: torch.Tensor
     pair_dst: torch.Tensor
     negative_weight: torch.Tensor
@@ -74,7 +77,7 @@ class LinkIndex:
 
     def to(self, device: torch.device) -> "LinkIndex":
         return LinkIndex(self.plan, self.row_id, self.train_src.to(device), self.train_dst.to(device),
-                         self.pair_src.to(device), self.pair_dst.to(device), self.negative_weight.to(device),
+                         self.pair_rows, self.pair_src.to(device), self.pair_dst.to(device), self.negative_weight.to(device),
                          self.positives)
 
 
@@ -124,8 +127,23 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
     row_id = np.concatenate([data.node_id, remote_id, *(pool_id[j].numpy() for j in range(comm.world) if j != comm.rank)])
     return LinkIndex(plan, row_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
-                     torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
+                     np.arange(len(pairs.src_id)), torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
                      torch.from_numpy(pairs.dst.astype(np.int64)), torch.from_numpy(weight), int(positives[0]))
+
+
+def isolated_link_index(data: PartData) -> LinkIndex:
+    """The rows of a part that trains alone (``tma``): its own nodes only, its own edges as
+    positives, negatives from its own nodes, its pairs with an owned source; nothing exchanged."""
+    assert data.pairs is not None
+    n, pairs = data.num_owned, data.pairs
+    keep = (data.src < n) & (data.src != data.dst)
+    rows = np.flatnonzero(pairs.src_owner == data.part)
+    none = ExchangePlan([np.empty(0, np.int64)] * data.num_parts, [np.empty(0, np.int64)] * data.num_parts, 0)
+    return LinkIndex(none, data.node_id, torch.from_numpy(data.src[keep].astype(np.int64)),
+                     torch.from_numpy(data.dst[keep].astype(np.int64)), rows,
+                     torch.from_numpy(np.searchsorted(data.node_id, pairs.src_id[rows])),
+                     torch.from_numpy(pairs.dst[rows].astype(np.int64)), torch.ones(n, dtype=torch.float64),
+                     int(np.count_nonzero(keep)))
 
 
 def pair_scores(emb: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -155,13 +173,12 @@ def score_histogram(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.bincount(bins[labels == c], minlength=SCORE_BINS).double() for c in (0, 1)])
 
 
-def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, split: np.ndarray,
-                     label: torch.Tensor) -> tuple[float, float]:
+def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, pairs: LinkPairs) -> tuple[float, float]:
     """(mean BCE loss, ROC-AUC) of the validation pairs over all ranks, from one all-reduce of
     2 + 2 x SCORE_BINS numbers (control)."""
-    mask = torch.from_numpy(split == "val").to(emb.device)
+    mask = torch.from_numpy(pairs.split[index.pair_rows] == "val").to(emb.device)
     scores = pair_scores(emb, index.pair_src[mask], index.pair_dst[mask])
-    labels = label.to(emb.device)[mask]
+    labels = pairs.label[index.pair_rows].to(emb.device)[mask]
     loss = F.binary_cross_entropy_with_logits(scores, labels, reduction="sum")
     sent = torch.cat([torch.stack([loss.double(), torch.tensor(float(len(labels)), dtype=torch.float64,
                                                                   device=emb.device)]),

@@ -104,8 +104,9 @@ def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], embeddings: t
     link: ``embeddings`` of every row this rank embeds)."""
     if embeddings is None or ctx.link is None or ctx.data.pairs is None:
         return final_evaluation(ctx, outputs)
+    rows, pairs = ctx.link.pair_rows, ctx.data.pairs
     scores = pair_scores(embeddings, ctx.link.pair_src, ctx.link.pair_dst)
-    return link_evaluation(ctx.comm, scores, ctx.data.pairs.label, ctx.data.pairs.split, ctx.config.hits_k)
+    return link_evaluation(ctx.comm, scores, pairs.label[rows], pairs.split[rows], ctx.config.hits_k)
 
 
 def write_outcome(ctx: WorkerContext, logits: torch.Tensor, embeddings: torch.Tensor | None, sink: ResultSink) -> None:
@@ -115,9 +116,10 @@ def write_outcome(ctx: WorkerContext, logits: torch.Tensor, embeddings: torch.Te
     if embeddings is None or pairs is None or index is None:
         write_predictions(ctx, logits, sink)
         return
+    rows = index.pair_rows
     scores = pair_scores(embeddings, index.pair_src, index.pair_dst).cpu().numpy().astype(np.float32)
-    sink.write_link_scores(ctx.data.part, pairs.src_id, ctx.data.node_id[pairs.dst], scores,
-                           pairs.label.numpy().astype(np.int8), pairs.split)
+    sink.write_link_scores(ctx.data.part, pairs.src_id[rows], ctx.data.node_id[pairs.dst[rows]], scores,
+                           pairs.label[rows].numpy().astype(np.int8), pairs.split[rows])
     if ctx.config.recommend:
         sink.write_recommendations(ctx.data.part, recommendations(embeddings, index, ctx.data, ctx.config.recommend))
 

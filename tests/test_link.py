@@ -153,6 +153,18 @@ def test_standard_link_sends_the_last_embeddings_every_epoch(link_graph) -> None
     assert rows[0][0] == read_table(dataset.path / LINK_PAIRS).num_rows
 
 
+def test_tma_link_trains_apart_and_is_scored_on_every_pair(link_graph) -> None:
+    store, _, dataset, partition = link_graph
+    plan = train(store, dataset, partition, small_config(task="link", link_dim=4, strategy="tma", epochs=4,
+                                                         agg_every_steps=2))
+    log = pq.read_table(store.run_dir(plan.run_fp) / "comm.parquet").to_pandas()
+    training = log[log.epoch >= 0]
+    assert set(training.kind) == {"model_sync", "control"}  # apart: no row crosses while training
+    assert set(log[log.epoch < 0].kind) >= {"halo_embeddings"}  # the final scoring needs the remote rows
+    rows = query_rows(store, f"SELECT count(*) FROM link_scores WHERE run = '{plan.run_fp}'")
+    assert rows[0][0] == read_table(dataset.path / LINK_PAIRS).num_rows
+
+
 def test_centralized_link_run_and_refusals(link_graph, tmp_path) -> None:
     store, source, dataset, _ = link_graph
     plan = train(store, dataset, None, small_config(task="link", link_dim=4, strategy="centralized", epochs=4,
@@ -165,7 +177,7 @@ def test_centralized_link_run_and_refusals(link_graph, tmp_path) -> None:
         (["train", source.name, "--task", "link"], "has no held-out edges"),
         (["train", dataset.name], "is a link split"),
         (["train", dataset.name, "--task", "link", "--model", "gat"], "layer-wise GAT is not supported"),
-        (["train", dataset.name, "--task", "link", "--strategy", "tma"], "task link is trained by retexo, centralized"),
+        (["train", dataset.name, "--task", "link", "--strategy", "grappa"], "task link is trained by retexo, centralized"),
     ):
         result = run_cli(*args, store=store.root)
         assert result.returncode == 2, result.stderr

@@ -65,7 +65,7 @@ def link_rows(ctx: WorkerContext, out: torch.Tensor) -> torch.Tensor:
     """Task link: the owned embeddings (n, d) followed by the remote rows this rank scores pairs
     with (``LinkIndex``), which their owners send every epoch (kind ``halo_embeddings``; their
     gradients go back as ``halo_grads``); the owned embeddings alone for the node task or one rank."""
-    if ctx.link is None or ctx.comm.world == 1:
+    if ctx.link is None or ctx.comm.world == 1 or ctx.plan is None:  # no plan: parts that train alone
         return out
     return torch.cat([out, halo_rows(ctx.comm, ctx.link.plan, out, ctx.config.layers + 1)])
 

@@ -56,7 +56,9 @@ from retexo_core.strategies.common import (
     sync_gradients,
     validate,
 )
-from retexo_core.strategies.endtoend import EndToEndResult, forward, new_model, new_optimizer
+from retexo_core.link import isolated_link_index, link_loss
+from retexo_core.strategies.endtoend import EndToEndResult, forward, link_rows, new_model, new_optimizer
+from retexo_core.strategies.link import link_stats_of
 
 T = TypeVar("T")
 log = logging.getLogger("retexo.train")
@@ -80,7 +82,8 @@ def isolated_context(comm: Communicator, data: PartData, config: TrainConfig, de
     if config.setting == "transductive":
         graphs = dict.fromkeys(VIEWS, graphs["full"])
     local_train = int(data.masks["train"].sum())
-    return WorkerContext(comm, data, config, None, local_train, graphs, {}).on(device)  # type: ignore[arg-type]
+    link = isolated_link_index(data) if config.task == "link" else None
+    return WorkerContext(comm, data, config, None, local_train, graphs, {}, link=link).on(device)  # type: ignore[arg-type]
 
 
 def local_outputs(blocks: nn.ModuleList, x: Features, graph: LocalGraph,
@@ -151,6 +154,7 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
     gen = ctx.generator()
     optimizer = new_optimizer(cfg, blocks)
     mask, best = data.masks["train"], BestState()
+    weight = ctx.local_train if ctx.link is None else len(ctx.link.train_src)  # of this part's model in the average
     tolerant = Tolerant(ctx)
     started = last_aggregation = time.monotonic()
     comm.layer = 0
@@ -159,7 +163,10 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
         blocks.train()
         optimizer.zero_grad()
         logits = local_forward(blocks, data.x, ctx.graphs["train"], gen)
-        (F.cross_entropy(logits[mask], data.y[mask], reduction="sum") / max(ctx.local_train, 1)).backward()
+        if ctx.link is not None:  # task link: this part's own edges, mean over them
+            link_loss(logits, ctx.link, data.num_owned, gen).backward()
+        else:
+            (F.cross_entropy(logits[mask], data.y[mask], reduction="sum") / max(ctx.local_train, 1)).backward()
         optimizer.step()
         if cfg.agg_every_seconds is None:
             due = (epoch + 1) % cfg.agg_every_steps == 0
@@ -170,9 +177,10 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
             continue
         last_aggregation = time.monotonic()
         if comm.world > 1:
-            tolerant(lambda: average_by_train_count(comm, blocks, ctx.local_train), lambda: None)
+            tolerant(lambda: average_by_train_count(comm, blocks, weight), lambda: None)
+        stats = split_stats if ctx.link is None else lambda _, emb: link_stats_of(ctx)(emb)
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best,
-                 lambda logits: tolerant(lambda: split_stats(ctx, logits), lambda: None))
+                 lambda logits: tolerant(lambda: stats(ctx, logits), lambda: None))
     best.restore(blocks)
     return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
 
@@ -272,6 +280,9 @@ def evaluated(ctx: WorkerContext, result: EndToEndResult) -> tuple[WorkerContext
     """``result`` with the outputs of the final evaluation (``evaluate_outputs``) and its context."""
     eval_ctx, result.outputs = evaluate_outputs(ctx, result.blocks)
     eval_ctx.history = ctx.history
+    if eval_ctx.link is not None:
+        with torch.no_grad():
+            result.link_embeddings = link_rows(eval_ctx, result.outputs["full"][-1])
     return eval_ctx, result
 
 

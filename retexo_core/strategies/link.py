@@ -54,7 +54,7 @@ def link_stats_of(ctx: WorkerContext) -> Callable[[torch.Tensor], dict[str, Spli
     assert pairs is not None and index is not None
 
     def stats(emb: torch.Tensor) -> dict[str, SplitStats]:
-        loss, auc = validation_stats(ctx.comm, emb, index, pairs.split, pairs.label)
+        loss, auc = validation_stats(ctx.comm, emb, index, pairs)
         return {"val": SplitStats(loss, auc, auc)}
 
     return stats
