@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import scipy.sparse
 
 from conftest import run_cli
 from graphstore.ingest.api import ingest_synthetic
@@ -14,7 +15,8 @@ from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.layout import LINK_PAIRS, PART_PAIRS, Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
-from graphstore.parquet_io import read_table
+from graphstore.lookup import find_dataset
+from graphstore.parquet_io import features_of, read_table
 from graphstore.sql_query import query
 from retexo_core.data import load_part
 from retexo_core.link import NEGATIVE_POOL
@@ -182,3 +184,27 @@ def test_centralized_link_run_and_refusals(link_graph, tmp_path) -> None:
         result = run_cli(*args, store=store.root)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_featureless_bipartite_table_gets_identity_features_and_trains_links(tmp_path) -> None:
+    """Users x items without labels or features: ``--missing-features identity`` gives node i the
+    one-hot feature i (sparse), the default keeps the constant feature and its fingerprint."""
+    rng = np.random.default_rng(0)
+    users, items = np.arange(40), np.arange(100, 130)
+    edges = {(int(u), int(i)) for u in users for i in rng.choice(items, 4, replace=False)}
+    (tmp_path / "edges.csv").write_text("src,dst\n" + "".join(f"{u},{i}\n" for u, i in sorted(edges)))
+    (tmp_path / "nodes.csv").write_text("node_id,label\n" + "".join(f"{n},-1\n" for n in [*users, *items]))
+    store = tmp_path / "store"
+    common = ["ingest", "tables", "--edges", tmp_path / "edges.csv", "--nodes", tmp_path / "nodes.csv", "--undirected"]
+    for name, extra in (("shop", []), ("shop_id", ["--missing-features", "identity"])):
+        result = run_cli(*common, "--name", name, *extra, store=store)
+        assert result.returncode == 0, result.stderr
+    ref = {name: find_dataset(Store.open(store), name) for name in ("shop", "shop_id")}
+    assert ref["shop"].num_features == 1 and ref["shop_id"].num_features == 70
+    assert ref["shop_id"].manifest.feature_format == "sparse"
+    x = features_of(read_table(ref["shop_id"].path / "features.parquet"), 70)
+    assert (x != scipy.sparse.identity(70, format="csr")).nnz == 0
+    for args in (["ingest", "link-split", "shop_id", "--name", "shop_link"],
+                 ["train", "shop_link", "--task", "link", "--parts", "2", "--rounds", "3", "--recipe", "default"]):
+        result = run_cli(*args, store=store, timeout=300)
+        assert result.returncode == 0, result.stderr

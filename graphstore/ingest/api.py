@@ -137,9 +137,10 @@ def ingest_tables(
             if not path.is_file():
                 raise InputError(str(path), f"{role} file does not exist")
             content[role] = file_digest(path)
-    # remote_sources enters the fingerprint only when set: fingerprints of other tables unchanged
-    opts = {**options.model_dump(exclude={"remote_sources"} if not options.remote_sources else None),
-            "split": fractions.model_dump()}
+    # options added later enter the fingerprint only when set: fingerprints of other tables unchanged
+    later = {name for name, default in (("remote_sources", False), ("missing_features", "constant"))
+             if getattr(options, name) == default}
+    opts = {**options.model_dump(exclude=later), "split": fractions.model_dump()}
 
     def load() -> SourceGraph:
         check_memory(tables_estimate(estimated_rows(edges), estimated_rows(nodes),

@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+import scipy.sparse
 from pydantic import BaseModel, Field
 
 from graphstore.errors import InputError
@@ -50,6 +51,10 @@ class TableOptions(BaseModel):
     remote_sources: bool = Field(False, description="A site's own tables: edge sources may be node ids other sites "
                                  "hold (not in the nodes table); every edge must end at one of this site's nodes.")
     feature_format: RequestedFormat = Field("auto", description=REQUESTED_FORMAT_HELP)
+    missing_features: Literal["constant", "identity"] = Field(
+        "constant", description="Without a features file: constant (every node the one feature 1.0) or identity "
+        "(node i the one-hot feature i, stored sparse: the first layer learns an embedding per node; for graphs "
+        "without features, e.g. users x items for link prediction; width = the number of nodes).")
 
 
 def find_table_files(folder: Path) -> tuple[Path, Path, Path | None]:
@@ -316,7 +321,9 @@ def load_tables(edges_path: Path, nodes_path: Path, features_path: Path | None, 
         for c in nodes.column_names
         if c not in ("node_id", "label", "split")
     }
-    if features_path is None:
+    if features_path is None and options.missing_features == "identity":
+        x = scipy.sparse.identity(len(node_id), dtype=np.float32, format="csr")
+    elif features_path is None:
         x = np.ones((len(node_id), 1), np.float32)
     else:
         x = read_features(features_path, node_id)
