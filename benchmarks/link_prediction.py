@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--parts", type=int, default=4)
     parser.add_argument("--hits-k", type=int, default=50)
-    parser.add_argument("--what", default="reference,centralized,standard,tma,retexo")
+    parser.add_argument("--what", default="reference,centralized,standard,tma,retexo,retexo-default")
     parser.add_argument("--store", default="/tmp/retexo-link-bench")
     args = parser.parse_args()
     store = Store.open(args.store)
@@ -108,6 +108,9 @@ def main() -> None:
             if "retexo" in wanted:
                 rows.append(pipeline_row(store, dataset, f"retexo ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="retexo", seed=seed))
+            if "retexo-default" in wanted:  # no recipe search beyond the features: a third of the gradient sync
+                rows.append(pipeline_row(store, dataset, f"retexo --recipe default ({args.parts} parts)", args.parts,
+                                         args.hits_k, strategy="retexo", recipe="default", seed=seed))
             for row in rows:
                 print(f"  {graph} seed {seed} {row['what']}: test roc_auc {row['test_roc_auc']:.4f} mrr "
                       f"{row['test_mrr']:.4f} hits@{args.hits_k} {row['test_hits_at_k']:.4f} (val roc_auc "
