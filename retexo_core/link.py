@@ -238,8 +238,9 @@ def recommendations(emb: torch.Tensor, index: LinkIndex, data: PartData, k: int)
         stop = min(start + RECOMMEND_CHUNK, n)
         scores = emb[start:stop] @ candidates.T
         mine = (taken_dst >= start) & (taken_dst < stop)
-        scores[torch.from_numpy(taken_dst[mine] - start), torch.from_numpy(taken_col[mine])] = float("-inf")
-        scores[torch.arange(stop - start), torch.from_numpy(own_col[start:stop])] = float("-inf")
+        excluded = (np.concatenate([taken_dst[mine] - start, np.arange(stop - start)]),
+                    np.concatenate([taken_col[mine], own_col[start:stop]]))
+        scores[tuple(torch.from_numpy(e).to(emb.device) for e in excluded)] = float("-inf")
         best, where = (t.cpu().numpy() for t in scores.topk(k, dim=1))
         kept = np.isfinite(best)  # fewer than k candidates left after the exclusions
         out["node_id"].append(np.repeat(data.node_id[start:stop], k).reshape(-1, k)[kept])
