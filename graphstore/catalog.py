@@ -69,6 +69,10 @@ def _cols(spec: str) -> tuple[tuple[str, str], ...]:
     return tuple(tuple(item.split()) for item in spec.split(","))  # type: ignore[misc]
 
 
+# a link partition's stats per part: its evaluation pairs, and those whose source another part owns
+PAIR_STATS = _cols("val_positive_pairs BIGINT, val_negative_pairs BIGINT, test_positive_pairs BIGINT, "
+                   "test_negative_pairs BIGINT, remote_src_pairs BIGINT")
+
 VIEWS: list[ViewSpec] = [
     ViewSpec(
         "datasets", "json", "datasets/name=*/fp=*/manifest.json",
@@ -115,9 +119,10 @@ VIEWS: list[ViewSpec] = [
     ViewSpec(
         "partition_stats", "parquet", "partitions/dataset=*/fp=*/stats.parquet",
         "fp AS partition, CAST(part AS INTEGER) AS part, owned_nodes, local_edges, cut_edges, halo_nodes, "
-        "train, val, test, balance",
+        "train, val, test, balance, " + ", ".join(name for name, _ in PAIR_STATS),
         _cols("partition VARCHAR, part INTEGER, owned_nodes BIGINT, local_edges BIGINT, cut_edges BIGINT, "
-              "halo_nodes BIGINT, train BIGINT, val BIGINT, test BIGINT, balance DOUBLE"),
+              "halo_nodes BIGINT, train BIGINT, val BIGINT, test BIGINT, balance DOUBLE") + PAIR_STATS,
+        optional=PAIR_STATS,
     ),
     ViewSpec(
         "completed_runs", "json", "runs/run=*/manifest.json",
