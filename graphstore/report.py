@@ -27,9 +27,16 @@ class Report:
     report_path: Path
 
 
+def test_score(run: RunManifest) -> float | None:
+    """The run's test score (``RunManifest.score``: accuracy, or ROC-AUC for links and two classes);
+    None for a site's run without the evaluation."""
+    return run.score("test") if any(r["split"] == "test" for r in run.evaluation) else None
+
+
 def plot_accuracy_vs_bytes(runs: list[RunManifest], highlight: str, title: str) -> bytes:
-    """PNG bytes: test accuracy (y) against total bytes on the wire (x, log scale), one point per run;
-    runs without traffic (centralized) are drawn as dashed horizontal reference lines."""
+    """PNG bytes: test score (y: accuracy, or ROC-AUC for links and two classes) against total bytes
+    on the wire (x, log scale), one point per run; runs without traffic (centralized) are drawn as
+    dashed horizontal reference lines."""
     import io
 
     import matplotlib
@@ -38,22 +45,24 @@ def plot_accuracy_vs_bytes(runs: list[RunManifest], highlight: str, title: str) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    with_traffic = [r for r in runs if r.total_bytes > 0 and r.test_acc is not None]
+    scores = {r.fp: test_score(r) for r in runs}
+    with_traffic = [r for r in runs if r.total_bytes > 0 and scores[r.fp] is not None]
     for r in runs:
-        if r.total_bytes == 0 and r.test_acc is not None:
-            ax.axhline(r.test_acc, linestyle="--", linewidth=0.8, color="grey")
-            ax.annotate(f"{r.label} {r.model} (no traffic)", (0.01, r.test_acc), xycoords=("axes fraction", "data"),
+        if r.total_bytes == 0 and scores[r.fp] is not None:
+            ax.axhline(scores[r.fp], linestyle="--", linewidth=0.8, color="grey")
+            ax.annotate(f"{r.label} {r.model} (no traffic)", (0.01, scores[r.fp]), xycoords=("axes fraction", "data"),
                         fontsize=7, color="grey", va="bottom")
     for r in with_traffic:
         is_this = r.fp == highlight
-        ax.scatter(r.total_bytes, r.test_acc, s=60 if is_this else 30,
+        ax.scatter(r.total_bytes, scores[r.fp], s=60 if is_this else 30,
                    edgecolors="black" if is_this else "none", zorder=3)
-        ax.annotate(f"{r.label} {r.model} K={r.parts}", (r.total_bytes, r.test_acc),
+        ax.annotate(f"{r.label} {r.model} K={r.parts}", (r.total_bytes, scores[r.fp]),
                     textcoords="offset points", xytext=(5, 4), fontsize=7)
     if with_traffic:
         ax.set_xscale("log")
     ax.set_xlabel("bytes on the network (log scale)")
-    ax.set_ylabel("test accuracy")
+    named = [r for r in runs if r.fp == highlight and scores[r.fp] is not None]
+    ax.set_ylabel("test ROC-AUC" if named and named[0].score_name("test") == "roc_auc" else "test accuracy")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -61,6 +70,20 @@ def plot_accuracy_vs_bytes(runs: list[RunManifest], highlight: str, title: str) 
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
+
+
+def evaluation_table(manifest: RunManifest) -> list[str]:
+    """The markdown rows of the run's evaluation: per pair split (link task) or per node split."""
+    rows = manifest.evaluation
+    if manifest.config.get("task") == "link":
+        return [f"| split | ROC-AUC | MRR | Hits@{manifest.config['hits_k']} | pairs |", "|---|---|---|---|---|",
+                *(f"| {r['split']} | {r['roc_auc']:.4f} | {r['mrr']:.4f} | {r['hits_at_k']:.4f} | {r['pairs']} |"
+                  for r in rows)]
+    lines = ["| split | accuracy | macro-F1 | ROC-AUC | nodes |", "|---|---|---|---|---|"]
+    for r in rows:
+        auc = "" if r["roc_auc"] is None or r["roc_auc"] != r["roc_auc"] else f"{r['roc_auc']:.4f}"
+        lines.append(f"| {r['split']} | {r['accuracy']:.4f} | {r['macro_f1']:.4f} | {auc} | {r['nodes']} |")
+    return lines
 
 
 def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, plot_file: str) -> str:
@@ -76,10 +99,8 @@ def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, 
     else:
         lines.append("- partitions: none (centralized, one process)")
     lines += [f"- strategy: {manifest.label}, layers {manifest.config['layers']}, hidden {manifest.config['hidden']}",
-              "", "| split | accuracy | macro-F1 | ROC-AUC | nodes |", "|---|---|---|---|---|"]
-    for row in manifest.evaluation:
-        auc = "" if row["roc_auc"] is None or row["roc_auc"] != row["roc_auc"] else f"{row['roc_auc']:.4f}"
-        lines.append(f"| {row['split']} | {row['accuracy']:.4f} | {row['macro_f1']:.4f} | {auc} | {row['nodes']} |")
+              ""]
+    lines += evaluation_table(manifest)
     lines += ["", "| traffic kind | bytes |", "|---|---|"]
     for kind, nbytes in sorted(manifest.bytes_by_kind.items()):
         lines.append(f"| {kind} | {human_bytes(nbytes)} ({nbytes:,}) |")
@@ -105,7 +126,7 @@ def write_report(store: Store, run: str, only_if_stale: bool = False) -> Report:
     if manifest.partition:
         partition = read_manifest(store.partition_dir(manifest.dataset, manifest.partition), PartitionManifest)
     plot = plot_accuracy_vs_bytes(dataset_runs(store, manifest.dataset), manifest.fp,
-                                  f"{manifest.dataset_name}: test accuracy vs bytes on the network (all runs)")
+                                  f"{manifest.dataset_name}: test score vs bytes on the network (all runs)")
     atomic_write_file(store, folder / PLOT_NAME, plot)
     markdown = markdown_report(manifest, partition, PLOT_NAME)
     atomic_write_file(store, folder / REPORT_NAME, markdown.encode())

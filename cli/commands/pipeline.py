@@ -24,8 +24,9 @@ def show_comparison(runs: list[RunManifest]) -> None:
     if len(runs) > 1:
         title += " vs " + ", ".join(r.label for r in runs[1:])
     title += f"; comm. simulated at {first.network['bandwidth_mbps']:g} Mbit/s"
-    print_table(title, ["strategy", "run", "test acc", "val acc", "bytes", "sim. comm s", "training s"],
-                [[r.label, r.fp[:8], f"{r.test_acc:.4f}", f"{r.val_acc:.4f}", human_bytes(r.total_bytes),
+    metric = "ROC-AUC" if first.score_name("test") == "roc_auc" else "acc"
+    print_table(title, ["strategy", "run", f"test {metric}", f"val {metric}", "bytes", "sim. comm s", "training s"],
+                [[r.label, r.fp[:8], f"{r.score('test'):.4f}", f"{r.score('val'):.4f}", human_bytes(r.total_bytes),
                   f"{r.sim_comm_s:.1f}", f"{r.wall_s:.1f}"] for r in runs])
 
 
