@@ -55,7 +55,9 @@ class LinkIndex:
     (sorted by id within an owner), then the negative pools of the peers (in rank order).
     plan: the ``link_rows`` exchange (owned rows each peer needs, then the pool sent to it; where
         received rows land).
-    row_id: (rows,) the node id of every row (a pool's ids come with it, 8 B each, control).
+    row_id: the node id of every row, in row order (a pool's ids come with it, 8 B each, control),
+        except at sites, where no id leaves its site beyond discovery: there only the owned and
+        remote rows have ids (the pools' rows, last, none).
     train_src, train_dst: (t,) int64 positives: training edges into owned nodes, no self loops.
     pair_rows: (p,) int64 positions in ``PartData.pairs`` of the pairs scored (every pair; in
         isolated training, the pairs whose source is owned).
@@ -110,7 +112,8 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     rng = np.random.default_rng([seed, comm.rank])
     pool_sent = [np.sort(rng.choice(n, min(n, NEGATIVE_POOL), replace=False)) if j != comm.rank else np.empty(0, np.int64)
                  for j in range(comm.world)]
-    pool_id = comm.exchange_variable([torch.from_numpy(data.node_id[p]) for p in pool_sent], "control")
+    pool_id = [] if data.held_by_site else comm.exchange_variable([torch.from_numpy(data.node_id[p])
+                                                                      for p in pool_sent], "control")
     send_index = [np.concatenate([sent, pool]) for sent, pool in zip(send_index, pool_sent)]
     starts = len(remote_id) + np.concatenate([[0], np.cumsum(pools)])
     recv_index = [np.concatenate([np.arange(bounds[j], bounds[j + 1]), np.arange(starts[j], starts[j + 1])])
@@ -125,7 +128,7 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     keep = src_id != data.node_id[data.dst]
     train_src = local_positions(data.node_id, remote_id, src_id[keep])
     positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
-    row_id = np.concatenate([data.node_id, remote_id, *(pool_id[j].numpy() for j in range(comm.world) if j != comm.rank)])
+    row_id = np.concatenate([data.node_id, remote_id, *(pool_id[j].numpy() for j in range(len(pool_id)) if j != comm.rank)])
     return LinkIndex(plan, row_id, torch.from_numpy(train_src), torch.from_numpy(data.dst[keep].astype(np.int64)),
                      np.arange(len(pairs.src_id)), torch.from_numpy(local_positions(data.node_id, remote_id, pairs.src_id)),
                      torch.from_numpy(pairs.dst.astype(np.int64)), torch.from_numpy(weight), int(positives[0]))
@@ -190,10 +193,13 @@ def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, pa
 
 
 def link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.Tensor, split: np.ndarray,
-                    hits_k: int) -> list[dict[str, object]]:
+                    hits_k: int, held_by_site: bool = False) -> list[dict[str, object]]:
     """Exact ROC-AUC, MRR and Hits@K per split of every rank's pairs: each rank sends rank 0 its
     (score, label, split) triples (24 B per pair, control; no node id). Rows of
-    ``run_evaluation`` (rank 0's are the real ones; the others' metrics are NaN)."""
+    ``run_evaluation`` (rank 0's are the real ones; the others' metrics are NaN). Sites send no
+    score: ``site_link_evaluation``."""
+    if held_by_site:
+        return site_link_evaluation(comm, scores, label, split, hits_k)
     code = torch.zeros(len(split), dtype=torch.float64)
     for k, name in enumerate(PAIR_SPLITS):
         code[torch.from_numpy(split == name)] = k
@@ -215,6 +221,43 @@ def link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.Tenso
     return rows
 
 
+SITE_BINS = 1 << 16  # the sites' final histograms: logits clipped to +-16 in bins of 1/2048
+
+
+def site_link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.Tensor, split: np.ndarray,
+                         hits_k: int) -> list[dict[str, object]]:
+    """``link_evaluation`` from counts only, for sites (no score leaves a site): one all-reduce of
+    every split's histograms of negative and positive logits (``SITE_BINS`` bins, control) gives
+    ROC-AUC and the K-th highest negative's bin; a second of each split's sum of 1 / rank (a
+    positive's rank among the negatives, those in its own bin counting half) and hits (positives
+    in a bin above the K-th negative's) gives MRR and Hits@K. Exact up to the bin width."""
+    scores, label = scores.detach().cpu().double(), label.cpu()
+    bins = ((scores.clamp(-SCORE_CLIP, SCORE_CLIP) + SCORE_CLIP) * (SITE_BINS / (2 * SCORE_CLIP))).long()
+    bins = bins.clamp(max=SITE_BINS - 1)
+    masks = [torch.from_numpy(split == name) for name in PAIR_SPLITS]
+    histograms = torch.stack([torch.stack([torch.bincount(bins[m & (label == c)], minlength=SITE_BINS).double()
+                                           for c in (0, 1)]) for m in masks])
+    total = comm.all_reduce(histograms, "control").numpy()  # (splits, 2, bins)
+    sums = []
+    for k, mask in enumerate(masks):
+        negatives = total[k, 0]
+        above = np.concatenate([np.cumsum(negatives[::-1])[::-1][1:], [0.0]])  # negatives in higher bins
+        kth = np.flatnonzero(np.cumsum(negatives[::-1]) >= hits_k)
+        kth_bin = SITE_BINS - 1 - kth[0] if len(kth) else -1
+        mine = bins[mask & (label == 1)].numpy()
+        rank = 1.0 + above[mine] + negatives[mine] / 2
+        sums += [float((1.0 / rank).sum()), float(np.count_nonzero(mine > kth_bin))]
+    summed = comm.all_reduce(torch.tensor(sums, dtype=torch.float64), "control").numpy()
+    rows: list[dict[str, object]] = []
+    for k, name in enumerate(PAIR_SPLITS):
+        positives, pairs = total[k, 1].sum(), int(total[k].sum())
+        rows.append({"split": name, "accuracy": math.nan, "macro_f1": math.nan,
+                     "roc_auc": histogram_auc(total[k]), "mrr": summed[2 * k] / positives if positives else math.nan,
+                     "hits_at_k": summed[2 * k + 1] / positives if positives else math.nan, "k": hits_k,
+                     "pairs": pairs, "nodes": 0})
+    return rows
+
+
 RECOMMEND_CHUNK = 1024  # owned rows scored at once: (chunk, candidates) scores in memory
 
 
@@ -224,7 +267,7 @@ def recommendations(emb: torch.Tensor, index: LinkIndex, data: PartData, k: int)
     never the node itself nor a node with a training edge into it (every edge of an undirected
     graph). Returns ``node_id, candidate`` (int64), ``score`` (float32 logits) and ``rank``
     (int32, 1 = best) columns of n x min(k, candidates) rows."""
-    ids, first = np.unique(index.row_id, return_index=True)
+    ids, first = np.unique(index.row_id, return_index=True)  # the rows with an id (not a site's pools)
     rows = torch.from_numpy(first).to(emb.device)
     candidates = emb[rows]
     n = data.num_owned

@@ -102,14 +102,34 @@ def discover_owners(comm: Communicator, owned: np.ndarray, remote: np.ndarray) -
     return owner
 
 
-def with_owners(data: PartData, rank: int, world: int, owner: np.ndarray) -> PartData:
-    """The site partition ``data`` (one part, halo owners unknown) as part ``rank`` of ``world``:
-    the halo ordered by (owner, id) and the edges' source positions renumbered to match."""
-    order = np.lexsort((data.halo_id, owner))
-    halo_id, halo_owner = data.halo_id[order], owner[order]
+def remote_ids(data: PartData) -> np.ndarray:
+    """(r,) sorted ids whose site a site partition does not know: its halo, and (link task) the
+    sources of its pairs that another site holds."""
+    if data.pairs is None:
+        return data.halo_id
+    unknown = data.pairs.src_owner == UNKNOWN_OWNER
+    return np.union1d(data.halo_id, data.pairs.src_id[unknown])
+
+
+def with_owners(data: PartData, rank: int, world: int, remote: np.ndarray, owner: np.ndarray) -> PartData:
+    """The site partition ``data`` (one part, owners unknown) as part ``rank`` of ``world``, given
+    the owning site of each ``remote`` id (``remote_ids``, ``discover_owners``): the halo ordered by
+    (owner, id), the edges' source positions renumbered to match, the pairs' source sites set."""
+    def owner_of(ids: np.ndarray) -> np.ndarray:
+        return owner[np.searchsorted(remote, ids)] if len(ids) else np.empty(0, np.int64)
+
+    halo_owner = owner_of(data.halo_id)
+    order = np.lexsort((data.halo_id, halo_owner))
+    halo_id, halo_owner = data.halo_id[order], halo_owner[order]
     ids = np.concatenate([data.node_id, data.halo_id])[data.src]
+    pairs = data.pairs
+    if pairs is not None:
+        unknown = pairs.src_owner == UNKNOWN_OWNER
+        src_owner = np.full(len(unknown), rank, np.int64)
+        src_owner[unknown] = owner_of(pairs.src_id[unknown])
+        pairs = dataclasses.replace(pairs, src_owner=src_owner)
     return dataclasses.replace(data, part=rank, num_parts=world, halo_id=halo_id, halo_owner=halo_owner,
-                               src=local_positions(data.node_id, halo_id, ids), held_by_site=True)
+                               src=local_positions(data.node_id, halo_id, ids), held_by_site=True, pairs=pairs)
 
 
 @dataclass(frozen=True)

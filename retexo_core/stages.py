@@ -106,7 +106,8 @@ def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], embeddings: t
         return final_evaluation(ctx, outputs)
     rows, pairs = ctx.link.pair_rows, ctx.data.pairs
     scores = pair_scores(embeddings, ctx.link.pair_src, ctx.link.pair_dst)
-    return link_evaluation(ctx.comm, scores, pairs.label[rows], pairs.split[rows], ctx.config.hits_k)
+    return link_evaluation(ctx.comm, scores, pairs.label[rows], pairs.split[rows], ctx.config.hits_k,
+                           ctx.data.held_by_site)
 
 
 def write_outcome(ctx: WorkerContext, logits: torch.Tensor, embeddings: torch.Tensor | None, sink: ResultSink) -> None:

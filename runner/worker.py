@@ -246,13 +246,14 @@ def meet_sites(comm: Communicator, job: WorkerJob, data: PartData) -> tuple[Part
     import dataclasses
 
     from graphstore.lookup import layer_fp_of
-    from retexo_core.sites import SITE_EPOCH, agree, discover_owners, with_owners
+    from retexo_core.sites import SITE_EPOCH, agree, discover_owners, remote_ids, with_owners
 
     comm.layer, comm.epoch = 0, SITE_EPOCH
     unfinished = [s.layer for s in job.stages if layer_fp_of(Path(s.target)) != s.fp]
     first = min(unfinished, default=job.config.layers + 1)
     agreed = agree(comm, data, job.config.run_payload(), first)
-    data = with_owners(data, comm.rank, comm.world, discover_owners(comm, data.node_id, data.halo_id))
+    remote = remote_ids(data)
+    data = with_owners(data, comm.rank, comm.world, remote, discover_owners(comm, data.node_id, remote))
     comm.epoch = -1
     data = dataclasses.replace(data, num_classes=agreed.num_classes, features_nonnegative=agreed.features_nonnegative)
     first = agreed.start_layer if job.config.is_layerwise else min(agreed.start_layer, 1)

@@ -63,6 +63,9 @@ def test_split_holds_out_edges_and_draws_negatives_once(link_graph) -> None:
     held = len(pairs[pairs.label == 1])
     assert len(training) == len(every) - 2 * held
     assert len(set(zip(pairs.src, pairs.dst))) == len(pairs)  # every pair once
+    assert dataset.name == "sbm_link" and dataset.manifest.link_pairs == {
+        "train_positive": undirected - held, "val_positive": int(0.1 * undirected), "val_negative": int(0.1 * undirected),
+        "test_positive": int(0.2 * undirected), "test_negative": int(0.2 * undirected)}
     again = split_links(store, source, "sbm_link", LinkSplitOptions(val=0.1, test=0.2, seed=4))
     assert again.fp == dataset.fp and not again.created
 

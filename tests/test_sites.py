@@ -102,13 +102,14 @@ def ingest(store: Path, folder: Path, name: str, remote: bool) -> None:
 
 
 def train_sites(stores: list[Path], audit: Path, port: int, *extra: object, kits: Path | None = None,
-                wire: bytearray | None = None) -> list[subprocess.CompletedProcess]:
+                wire: bytearray | None = None, dataset: str = "cora-site") -> list[subprocess.CompletedProcess]:
     """Every site's ``retexo site train`` (with site r's kit ``kits/site-<r>`` when given); ``wire``
     receives every frame that crossed site 0's link (its link in the root namespace, else the
     loopback interface)."""
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0" if netns_missing() is None else "lo"}
     with hosts(len(stores)) as made, capture(link_name(0) if netns_missing() is None else "lo", wire):
         return run_together([host.command(*site_train(s, len(stores), port, stores[s], "--master-addr", made[0].address,
+                                                      "--dataset-name", dataset,
                                                       "--audit-dir", audit / f"site{s}", *extra,
                                                       *(("--kit", kits / f"site-{s}") if kits else ())))
                              for s, host in enumerate(made)], env, TIMEOUT_S,
@@ -143,9 +144,15 @@ def capture(interface: str, wire: bytearray | None) -> Iterator[None]:
 
 
 def site_train(rank: int, world: int, port: int, store: Path, *options: object) -> list[str]:
-    """The ``retexo site train`` command of site ``rank`` (the test's training options, then ``options``)."""
-    return [sys.executable, "-m", "cli", "site", "train", "cora-site", "--rank", str(rank), "--world", str(world),
-            "--master-port", str(port), "--store", str(store), *map(str, TRAIN), *map(str, options)]
+    """The ``retexo site train`` command of site ``rank`` (the test's training options, then
+    ``options``; ``--dataset-name NAME`` among them trains that dataset instead of cora-site)."""
+    options = tuple(map(str, options))
+    dataset = "cora-site"
+    if "--dataset-name" in options:
+        at = options.index("--dataset-name")
+        dataset, options = options[at + 1], options[:at] + options[at + 2:]
+    return [sys.executable, "-m", "cli", "site", "train", dataset, "--rank", str(rank), "--world", str(world),
+            "--master-port", str(port), "--store", str(store), *map(str, TRAIN), *options]
 
 
 def traffic(comm: pa.Table) -> dict[tuple, int]:
@@ -454,3 +461,43 @@ def test_a_frozen_site_is_named_at_the_others_before_the_timeout(tables: tuple[P
         assert FROZE[links] in line or WENT_AWAY[links] in line, error[-1500:]
     assert any(FROZE[links] in e for e in errors.values()), errors
 
+
+
+def test_sites_train_the_link_task_on_splits_each_draws_alone(tables: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    """Each site derives its own link split (no site asks another); no site trains on an edge
+    another holds out, every held-out edge is scored once, the metrics reach the coordinator as
+    counts, and scores and recommendations stay at their site."""
+    from graphstore.ingest.link_split import LinkSplitOptions, split_links
+    from graphstore.lookup import find_dataset
+
+    _, site_tables = tables
+    stores = [tmp_path / f"store{s}" for s in range(SITES)]
+    links = []
+    for s in range(SITES):
+        ingest(stores[s], site_tables[s], "cora-site", remote=True)
+        store = Store.open(stores[s])
+        links.append(split_links(store, find_dataset(store, "cora-site"), "cora-link", LinkSplitOptions(seed=3)))
+    pairs = [read_table(ref.path / "link_pairs.parquet").to_pandas() for ref in links]
+    held = {frozenset((u, v)) for p in pairs for u, v in zip(p.src[p.label == 1], p.dst[p.label == 1])}
+    scored = sum(int((p.label == 1).sum()) for p in pairs)
+    assert scored == len(held) > 100  # every held-out edge once, at one site
+    for ref in links:
+        edges = read_table(ref.path / "edges.parquet")
+        kept = {frozenset((u, v)) for u, v in zip(edges.column("src").to_pylist(), edges.column("dst").to_pylist())}
+        assert not kept & held
+    done = train_sites(stores, tmp_path / "audit", free_port(), "--task", "link", "--recommend", 3,
+                       dataset="cora-link")
+    assert [p.returncode for p in done] == [0] * SITES, [p.stderr[-2000:] for p in done]
+    runs = [next(store.glob("runs/run=*")) for store in stores]
+    coordinator = read_manifest(runs[0], RunManifest)
+    evaluation = {r["split"]: r for r in coordinator.evaluation}
+    assert evaluation["test"]["pairs"] == sum(int((p.split == "test").sum()) for p in pairs)
+    assert evaluation["test"]["roc_auc"] > 0.8 and 0 < evaluation["test"]["mrr"] <= 1
+    for s, run in enumerate(runs):
+        nodes = set(read_table(links[s].path / "nodes.parquet").column("node_id").to_pylist())
+        scores = pq.read_table(run / "layer=2" / f"part={s}" / "link_scores.parquet").to_pandas()
+        assert len(scores) == len(pairs[s]) and set(scores.dst) <= nodes
+        recommended = pq.read_table(run / "layer=2" / f"part={s}" / "recommendations.parquet").to_pandas()
+        assert set(recommended.node_id) == nodes and len(recommended) == 3 * len(nodes)
+        opened = (tmp_path / "audit" / f"site{s}" / f"rank-{s}.txt").read_text().split()
+        assert not [p for p in opened if p.startswith(tuple(f"{o}/" for o in stores if o != stores[s]))]

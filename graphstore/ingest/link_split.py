@@ -16,6 +16,14 @@ For an undirected (symmetric) source, an undirected edge is held out with both i
 directed source holds out directed edges. Self loops always stay in training. The split is drawn
 with ``LinkSplitOptions.seed``: the held-out edges are a random ``val`` / ``test`` fraction of the
 edges (PyG's ``RandomLinkSplit`` fractions), the negatives uniform pairs of nodes.
+
+A site's dataset (``ingest tables --remote-sources``: its nodes and every edge into them) is split
+without asking the other sites (``site_pairs``): whether an edge is held out, and in which split,
+is a hash of its two end points and the seed, so every site holding a direction of it decides
+alike and no site trains on an edge another site holds out. Each held-out edge is scored once: by
+the site holding both ends in its ``src < dst`` direction, else by the site holding the smaller
+id. Its negatives are pairs of one of its nodes and a node it knows (its own, or an edge's
+remote source) that are no edge it knows.
 """
 
 from __future__ import annotations
@@ -111,6 +119,70 @@ def negative_pairs(num_nodes: int, counts: dict[str, int], taken: np.ndarray, sy
     return out
 
 
+def pair_uniform(src: np.ndarray, dst: np.ndarray, seed: int) -> np.ndarray:
+    """(E,) float64 in [0, 1): a hash of the unordered pair {src, dst} and ``seed`` (splitmix64's
+    finaliser), the same wherever the pair is stored."""
+    low, high = np.minimum(src, dst).astype(np.uint64), np.maximum(src, dst).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = low * np.uint64(0x9E3779B97F4A7C15) + high + np.uint64(seed) * np.uint64(0xD1B54A32D192ED03)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def site_pairs(node_id: np.ndarray, src: np.ndarray, dst: np.ndarray, options: LinkSplitOptions,
+               rng: np.random.Generator) -> tuple[pa.Table, np.ndarray]:
+    """A site's split (see the module docstring): its pairs table and the (E,) mask of the edges
+    (ids; ``dst`` its own) that stay for training."""
+    draw = pair_uniform(src, dst, options.seed)
+    split = np.where(draw < options.test, "test", np.where(draw < options.test + options.val, "val", "train"))
+    split[src == dst] = "train"
+    keep = split == "train"
+    known = np.union1d(node_id, src)  # every id this site knows: dense positions for the pair keys
+    s, d = np.searchsorted(known, src), np.searchsorted(known, dst)
+    own_src = np.isin(src, node_id)
+    scored = ~keep & np.where(own_src, src < dst, dst < src)
+    m = np.int64(len(known))
+    taken = np.unique(np.concatenate([s * m + d, d * m + s]))
+    pieces = []
+    for name in ("val", "test"):
+        rows = np.flatnonzero(scored & (split == name))
+        owned = np.searchsorted(known, node_id)
+        found = np.empty(0, np.int64)
+        while len(found) < len(rows) and len(rows):
+            u = rng.integers(0, m, size=2 * (len(rows) - len(found)) + 16)
+            v = owned[rng.integers(0, len(owned), size=len(u))]
+            keys = u * m + v
+            ok = (u != v) & ~np.isin(keys, taken) & ~np.isin(v * m + u, taken) & ~np.isin(keys, found)
+            fresh = keys[ok]
+            _, first = np.unique(fresh, return_index=True)
+            found = np.concatenate([found, fresh[np.sort(first)]])[:len(rows)]
+        taken = np.union1d(taken, found)  # no pair in both splits
+        neg_u, neg_v = np.divmod(found, m)
+        for label, (a, b) in ((1, (src[rows], dst[rows])), (0, (known[neg_u], known[neg_v]))):
+            pieces.append(pa.table({"src": a, "dst": b, "label": np.full(len(a), label, np.int8),
+                                    "split": pa.array([name] * len(a), pa.string())}, schema=PAIR_SCHEMA))
+    return pa.concat_tables(pieces), keep
+
+
+def central_pairs(node_id: np.ndarray, src_id: np.ndarray, dst_id: np.ndarray, symmetric: bool,
+                  options: LinkSplitOptions, rng: np.random.Generator) -> tuple[pa.Table, np.ndarray]:
+    """A whole graph's split (see the module docstring): its pairs table and the (E,) mask of the
+    edges that stay for training."""
+    src, dst = np.searchsorted(node_id, src_id), np.searchsorted(node_id, dst_id)
+    chosen, keep = held_out(src, dst, symmetric, options, rng)
+    taken = np.unique(src.astype(np.int64) * len(node_id) + dst)
+    negatives = negative_pairs(len(node_id), {s: len(chosen[s]) for s in ("val", "test")}, taken, symmetric, rng)
+    pieces = []
+    for split in ("val", "test"):
+        rows = chosen[split]
+        for label, (u, v) in ((1, (src[rows], dst[rows])), (0, tuple(negatives[split].T))):
+            pieces.append(pa.table({"src": node_id[u], "dst": node_id[v], "label": np.full(len(u), label, np.int8),
+                                    "split": pa.array([split] * len(u), pa.string())}, schema=PAIR_SCHEMA))
+    return pa.concat_tables(pieces), keep
+
+
 def link_or_copy(source: Path, target: Path) -> None:
     """``target`` as a hard link of the immutable ``source`` (a copy across file systems)."""
     try:
@@ -124,9 +196,6 @@ def split_links(store: Store, source: DatasetRef, name: str, options: LinkSplitO
     manifest = source.manifest
     if manifest.task == "link":
         raise InputError(str(source.path), f"dataset {source.name} is a link split already; split its source instead")
-    if manifest.remote_nodes:
-        raise InputError(str(source.path), f"dataset {source.name} is a site's dataset (edges from other sites); "
-                                           "link splits of site data are not supported")
     opts = options.model_dump()
     fp = dataset_fingerprint(name, "link_split", opts, {"dataset": source.fp})
     found = existing_dataset(store, name, fp)
@@ -136,32 +205,25 @@ def split_links(store: Store, source: DatasetRef, name: str, options: LinkSplitO
     verify_files(source.path, DATASET_FILES, DatasetManifest)
     node_id = read_table(source.path / "nodes.parquet", columns=["node_id"]).column("node_id").to_numpy()
     edges = read_table(source.path / "edges.parquet")
-    src = np.searchsorted(node_id, edges.column("src").to_numpy())
-    dst = np.searchsorted(node_id, edges.column("dst").to_numpy())
+    src, dst = edges.column("src").to_numpy(), edges.column("dst").to_numpy()
     rng = np.random.default_rng(options.seed)
-    chosen, keep = held_out(src, dst, manifest.symmetric, options, rng)
-    if not len(chosen["test"]):
+    if manifest.remote_nodes:
+        pairs, keep = site_pairs(node_id, src, dst, options, rng)
+    else:
+        pairs, keep = central_pairs(node_id, src, dst, manifest.symmetric, options, rng)
+    split, label = pairs.column("split").to_numpy(zero_copy_only=False), pairs.column("label").to_numpy()
+    if not np.count_nonzero(split == "test") and not manifest.remote_nodes:
         raise InputError("--test-edges", f"{options.test} of the {len(src)} edges of {source.name} holds out no edge")
-    taken = np.unique(src.astype(np.int64) * len(node_id) + dst)
-    negatives = negative_pairs(len(node_id), {s: len(chosen[s]) for s in ("val", "test")}, taken,
-                               manifest.symmetric, rng)
-    pieces = []
-    for split in ("val", "test"):
-        rows = chosen[split]
-        for label, (u, v) in ((1, (src[rows], dst[rows])), (0, tuple(negatives[split].T))):
-            pieces.append(pa.table({"src": node_id[u], "dst": node_id[v], "label": np.full(len(u), label, np.int8),
-                                    "split": pa.array([split] * len(u), pa.string())}, schema=PAIR_SCHEMA))
-    pairs = pa.concat_tables(pieces)
     target = store.dataset_dir(name, fp)
     with atomic_artefact(store, target) as writer:
         for file in ("nodes.parquet", "features.parquet"):
             link_or_copy(source.path / file, writer.path / file)
-        pq.write_table(edges_table(node_id[src[keep]], node_id[dst[keep]]), writer.path / "edges.parquet",
-                       compression=COMPRESSION)
+        pq.write_table(edges_table(src[keep], dst[keep]), writer.path / "edges.parquet", compression=COMPRESSION)
         pq.write_table(pairs, writer.path / LINK_PAIRS, compression=COMPRESSION)
         counts = {"train_positive": int(np.count_nonzero(keep & (src != dst)) // (2 if manifest.symmetric else 1))}
-        for split in ("val", "test"):
-            counts[f"{split}_positive"] = counts[f"{split}_negative"] = len(chosen[split])
+        for which in ("val", "test"):
+            counts[f"{which}_positive"] = int(np.count_nonzero((split == which) & (label == 1)))
+            counts[f"{which}_negative"] = int(np.count_nonzero((split == which) & (label == 0)))
         writer.manifest = manifest.model_copy(update={
             "name": name, "fp": fp, "num_edges": int(np.count_nonzero(keep)), "task": "link", "link_pairs": counts,
             "source": {"kind": "link_split", "dataset": source.fp, "dataset_name": source.name, "options": opts},

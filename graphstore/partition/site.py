@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from graphstore.atomic import atomic_artefact
 from graphstore.fingerprint import fingerprint
 from graphstore.integrity import intact_manifest, verify_files
-from graphstore.layout import DATASET_FILES, UNKNOWN_OWNER, Store
+from graphstore.layout import LINK_PAIRS, PART_PAIRS, UNKNOWN_OWNER, Store
 from graphstore.lookup import PARTITION_FORMAT, DatasetRef, PartitionRef
 from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import COMPRESSION, edges_table, feature_columns, read_table, take_feature_rows
@@ -40,8 +40,8 @@ def build_site_partition(store: Store, dataset: DatasetRef) -> PartitionRef:
     if intact_manifest(target, PartitionManifest) is not None:
         return PartitionRef.at(target)
     started = time.perf_counter()
-    verify_files(dataset.path, DATASET_FILES, DatasetManifest)
     manifest = dataset.manifest
+    verify_files(dataset.path, manifest.data_files, DatasetManifest)
     nodes = read_table(dataset.path / "nodes.parquet", columns=["node_id", "label", "split"])
     features = read_table(dataset.path / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset.path / "edges.parquet")
@@ -67,6 +67,11 @@ def build_site_partition(store: Store, dataset: DatasetRef) -> PartitionRef:
         pq.write_table(pa.table({"node_id": pa.array(halo, pa.int64()),
                                  "owner": pa.array(np.full(len(halo), UNKNOWN_OWNER), pa.int64())}),
                        folder / "halo.parquet", compression=COMPRESSION)
+        if manifest.task == "link":  # the sources' sites are found when the sites meet, as the halo's
+            pairs = read_table(dataset.path / LINK_PAIRS)
+            own = np.isin(pairs.column("src").to_numpy(), node_id)
+            pq.write_table(pairs.append_column("src_owner", pa.array(np.where(own, 0, UNKNOWN_OWNER), pa.int64())),
+                           folder / PART_PAIRS, compression=COMPRESSION)
         pq.write_table(pa.table({"node_id": node_id, "part": np.zeros(len(node_id), np.int64)}),
                        writer.path / "assignment.parquet", compression=COMPRESSION)
         pq.write_table(pa.Table.from_pylist(stats), writer.path / "stats.parquet", compression=COMPRESSION)
