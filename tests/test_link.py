@@ -207,6 +207,16 @@ def test_a_featureless_bipartite_table_gets_identity_features_and_trains_links(t
     assert ref["shop_id"].manifest.feature_format == "sparse"
     x = features_of(read_table(ref["shop_id"].path / "features.parquet"), 70)
     assert (x != scipy.sparse.identity(70, format="csr")).nnz == 0
+    # features on one side: users have a row, items none
+    (tmp_path / "features.csv").write_text("node_id,f0,f1\n" + "".join(f"{u},{u % 2},1.0\n" for u in users))
+    refused = run_cli(*common, "--features", tmp_path / "features.csv", "--name", "shop_users", store=store)
+    assert refused.returncode == 2 and "no feature row for node 100" in refused.stderr, refused.stderr
+    result = run_cli(*common, "--features", tmp_path / "features.csv", "--name", "shop_users",
+                     "--missing-features", "zero", store=store)
+    assert result.returncode == 0, result.stderr
+    users_only = find_dataset(Store.open(store), "shop_users")
+    x = features_of(read_table(users_only.path / "features.parquet"), 2)
+    assert np.array_equal(x[:40], np.stack([users % 2, np.ones(40)], axis=1)) and not x[40:].any()
     for args in (["ingest", "link-split", "shop_id", "--name", "shop_link"],
                  ["train", "shop_link", "--task", "link", "--parts", "2", "--rounds", "3", "--recipe", "default"]):
         result = run_cli(*args, store=store, timeout=300)

@@ -51,10 +51,11 @@ class TableOptions(BaseModel):
     remote_sources: bool = Field(False, description="A site's own tables: edge sources may be node ids other sites "
                                  "hold (not in the nodes table); every edge must end at one of this site's nodes.")
     feature_format: RequestedFormat = Field("auto", description=REQUESTED_FORMAT_HELP)
-    missing_features: Literal["constant", "identity"] = Field(
-        "constant", description="Without a features file: constant (every node the one feature 1.0) or identity "
-        "(node i the one-hot feature i, stored sparse: the first layer learns an embedding per node; for graphs "
-        "without features, e.g. users x items for link prediction; width = the number of nodes).")
+    missing_features: Literal["constant", "identity", "zero"] = Field(
+        "constant", description="Nodes without features. Without a features file: constant (every node the one "
+        "feature 1.0) or identity (node i the one-hot feature i, stored sparse: the first layer learns an embedding "
+        "per node; width = the number of nodes). With one: every node needs a row, except with zero (a node without "
+        "a row gets zeros, e.g. users with features and items without).")
 
 
 def find_table_files(folder: Path) -> tuple[Path, Path, Path | None]:
@@ -185,8 +186,9 @@ def first_unparsable(values: pa.ChunkedArray, parse: type) -> int:
     return 0
 
 
-def read_features(path: Path, node_id: np.ndarray) -> "FeatureMatrix":
-    """(N, F) float32 features aligned with ``node_id``; every node needs exactly one row.
+def read_features(path: Path, node_id: np.ndarray, zero_missing: bool = False) -> "FeatureMatrix":
+    """(N, F) float32 features aligned with ``node_id``; every node needs exactly one row (with
+    ``zero_missing``, at most one: a node without a row gets zeros).
 
     An ndarray for CSV/Parquet tables, a ``scipy.sparse.csr_matrix`` for a JSON file.
     """
@@ -201,9 +203,14 @@ def read_features(path: Path, node_id: np.ndarray) -> "FeatureMatrix":
     ids, x = ids[order], x[order]
     pos = np.searchsorted(ids, node_id).clip(0, len(ids) - 1)
     missing = ids[pos] != node_id
+    if missing.any() and not zero_missing:
+        raise InputError(str(path), f"no feature row for node {node_id[first_true(missing)]} (--missing-features zero "
+                                    "gives such nodes zeros)", "node_id")
+    x = x[pos]
     if missing.any():
-        raise InputError(str(path), f"no feature row for node {node_id[first_true(missing)]}", "node_id")
-    return x[pos]
+        present = (~missing).astype(np.float32)
+        x = scipy.sparse.diags(present).tocsr() @ x if scipy.sparse.issparse(x) else x * present[:, None]
+    return x
 
 
 def _dense_features(table: pa.Table, path: Path) -> np.ndarray:
@@ -321,12 +328,15 @@ def load_tables(edges_path: Path, nodes_path: Path, features_path: Path | None, 
         for c in nodes.column_names
         if c not in ("node_id", "label", "split")
     }
+    if features_path is None and options.missing_features == "zero":
+        raise InputError("--missing-features", "zero fills the rows a features file lacks: give --features, or use "
+                                               "constant or identity")
     if features_path is None and options.missing_features == "identity":
         x = scipy.sparse.identity(len(node_id), dtype=np.float32, format="csr")
     elif features_path is None:
         x = np.ones((len(node_id), 1), np.float32)
     else:
-        x = read_features(features_path, node_id)
+        x = read_features(features_path, node_id, zero_missing=options.missing_features == "zero")
     num_classes = options.num_classes if options.num_classes is not None else int(max(label.max(), -1) + 1)
     files = {"edges": str(edges_path), "nodes": str(nodes_path), "features": str(features_path or nodes_path)}
     return SourceGraph(
