@@ -57,7 +57,7 @@ def test_centralized_has_the_reference_losses_given_its_recipe(cora, model: str)
     config = project_recipe(recipe, model)
     # the project's initial parameters: its own model builder, as the run calls it
     data = SimpleNamespace(x=graph.x[:0], num_classes=graph.num_classes)
-    blocks = new_model(SimpleNamespace(config=config, data=data, device="cpu"))
+    blocks = new_model(SimpleNamespace(config=config, data=data, device="cpu", output_width=graph.num_classes))
     initial = [block.conv.state_dict() for block in blocks]
     reference = train_plain(graph, model, HIDDEN, recipe, initial=initial)
 

@@ -319,12 +319,12 @@ class Link:
 
     def _pump(self) -> None:
         sock = self.sock
-        sock.setblocking(False)
         buffer, sent_at = bytearray(), time.monotonic()
         poller = select.poll()  # not select(): descriptors above 1023 (a site under a flood of connections)
-        poller.register(self._wake_r, select.POLLIN)
-        poller.register(sock, select.POLLIN)
         try:
+            sock.setblocking(False)  # inside: the link may be closed before its pump starts
+            poller.register(self._wake_r, select.POLLIN)
+            poller.register(sock, select.POLLIN)
             while True:
                 with self._condition:
                     if self._gone is not None:
