@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,27 @@ def held_out(src: np.ndarray, dst: np.ndarray, symmetric: bool, options: LinkSpl
     return chosen, keep
 
 
+def sample_pairs(need: int, m: int, sources: Callable[[int], np.ndarray], targets: Callable[[int], np.ndarray],
+                 taken: np.ndarray, undirected: bool) -> np.ndarray:
+    """``need`` distinct keys ``u * m + v`` of pairs u != v drawn in batches (``sources(size)``,
+    then ``targets(size)``: positions < m) whose key is not in ``taken`` (sorted keys of the
+    edges); ``undirected``: a pair is stored as (min, max) and its reverse must not be taken either."""
+    found = np.empty(0, np.int64)
+    while len(found) < need:
+        u = sources(2 * (need - len(found)) + 16)
+        v = targets(len(u))
+        if undirected:
+            u, v = np.minimum(u, v), np.maximum(u, v)
+        keys = u * m + v
+        ok = (u != v) & ~np.isin(keys, taken) & ~np.isin(keys, found)
+        if undirected:
+            ok &= ~np.isin(v * m + u, taken)
+        fresh = keys[ok]
+        _, first = np.unique(fresh, return_index=True)
+        found = np.concatenate([found, fresh[np.sort(first)]])[:need]
+    return found
+
+
 def negative_pairs(num_nodes: int, counts: dict[str, int], taken: np.ndarray, symmetric: bool,
                    rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Per split, (count, 2) node positions of distinct pairs u != v whose key ``u * N + v`` (and,
@@ -99,24 +121,19 @@ def negative_pairs(num_nodes: int, counts: dict[str, int], taken: np.ndarray, sy
     n = np.int64(num_nodes)
     if need > num_nodes * (num_nodes - 1) // (2 if symmetric else 1) - len(taken) // (2 if symmetric else 1):
         raise InputError("--test-edges", f"the graph has too few node pairs without an edge for {need} negatives")
-    found = np.empty(0, np.int64)
-    while len(found) < need:
-        u = rng.integers(0, n, size=2 * (need - len(found)) + 16)
-        v = rng.integers(0, n, size=len(u))
-        if symmetric:
-            u, v = np.minimum(u, v), np.maximum(u, v)
-        keys = u * n + v
-        ok = (u != v) & ~np.isin(keys, taken) & ~np.isin(keys, found)
-        if symmetric:
-            ok &= ~np.isin(v * n + u, taken)
-        fresh = keys[ok]
-        _, first = np.unique(fresh, return_index=True)
-        found = np.concatenate([found, fresh[np.sort(first)]])[:need]
+    uniform = lambda size: rng.integers(0, n, size=size)  # noqa: E731
+    found = sample_pairs(need, int(n), uniform, uniform, taken, symmetric)
     out, start = {}, 0
     for name, count in counts.items():
         out[name] = np.stack(np.divmod(found[start:start + count], n), axis=1)
         start += count
     return out
+
+
+def pair_table(src: np.ndarray, dst: np.ndarray, label: int, split: str) -> pa.Table:
+    """``link_pairs.parquet`` rows: the (p,) pairs ``src -> dst`` (ids), all with ``label`` and ``split``."""
+    return pa.table({"src": src, "dst": dst, "label": np.full(len(src), label, np.int8),
+                     "split": pa.array([split] * len(src), pa.string())}, schema=PAIR_SCHEMA)
 
 
 def pair_uniform(src: np.ndarray, dst: np.ndarray, seed: int) -> np.ndarray:
@@ -144,25 +161,16 @@ def site_pairs(node_id: np.ndarray, src: np.ndarray, dst: np.ndarray, options: L
     own_src = np.isin(src, node_id)
     scored = ~keep & np.where(own_src, src < dst, dst < src)
     m = np.int64(len(known))
-    taken = np.unique(np.concatenate([s * m + d, d * m + s]))
+    taken = np.unique(np.concatenate([s * m + d, d * m + s]))  # both directions: no reverse check needed
+    owned = np.searchsorted(known, node_id)
     pieces = []
     for name in ("val", "test"):
         rows = np.flatnonzero(scored & (split == name))
-        owned = np.searchsorted(known, node_id)
-        found = np.empty(0, np.int64)
-        while len(found) < len(rows) and len(rows):
-            u = rng.integers(0, m, size=2 * (len(rows) - len(found)) + 16)
-            v = owned[rng.integers(0, len(owned), size=len(u))]
-            keys = u * m + v
-            ok = (u != v) & ~np.isin(keys, taken) & ~np.isin(v * m + u, taken) & ~np.isin(keys, found)
-            fresh = keys[ok]
-            _, first = np.unique(fresh, return_index=True)
-            found = np.concatenate([found, fresh[np.sort(first)]])[:len(rows)]
-        taken = np.union1d(taken, found)  # no pair in both splits
+        found = sample_pairs(len(rows), int(m), lambda size: rng.integers(0, m, size=size),
+                             lambda size: owned[rng.integers(0, len(owned), size=size)], taken, undirected=False)
         neg_u, neg_v = np.divmod(found, m)
-        for label, (a, b) in ((1, (src[rows], dst[rows])), (0, (known[neg_u], known[neg_v]))):
-            pieces.append(pa.table({"src": a, "dst": b, "label": np.full(len(a), label, np.int8),
-                                    "split": pa.array([name] * len(a), pa.string())}, schema=PAIR_SCHEMA))
+        taken = np.union1d(taken, np.concatenate([found, neg_v * m + neg_u]))  # no pair in both splits, either way
+        pieces += [pair_table(src[rows], dst[rows], 1, name), pair_table(known[neg_u], known[neg_v], 0, name)]
     return pa.concat_tables(pieces), keep
 
 
@@ -176,10 +184,9 @@ def central_pairs(node_id: np.ndarray, src_id: np.ndarray, dst_id: np.ndarray, s
     negatives = negative_pairs(len(node_id), {s: len(chosen[s]) for s in ("val", "test")}, taken, symmetric, rng)
     pieces = []
     for split in ("val", "test"):
-        rows = chosen[split]
-        for label, (u, v) in ((1, (src[rows], dst[rows])), (0, tuple(negatives[split].T))):
-            pieces.append(pa.table({"src": node_id[u], "dst": node_id[v], "label": np.full(len(u), label, np.int8),
-                                    "split": pa.array([split] * len(u), pa.string())}, schema=PAIR_SCHEMA))
+        rows, (neg_u, neg_v) = chosen[split], negatives[split].T
+        pieces += [pair_table(node_id[src[rows]], node_id[dst[rows]], 1, split),
+                   pair_table(node_id[neg_u], node_id[neg_v], 0, split)]
     return pa.concat_tables(pieces), keep
 
 
