@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from graphstore.integrity import verify_files
-from graphstore.layout import DATASET_FILES, LINK_PAIRS, PART_PAIRS
+from graphstore.integrity import cached_manifest, verify_files
+from graphstore.layout import LINK_PAIRS, PART_PAIRS
 from graphstore.manifests import DatasetManifest, PartitionManifest
 from graphstore.parquet_io import feature_columns, features_of, read_table
 from retexo_core.sparse import SparseMatrix
@@ -121,9 +121,12 @@ def load_part(partition_dir: Path, part: int) -> PartData:
     """Read ``part=<part>/{nodes,edges,halo}.parquet`` (and the partition manifest) only, after
     hashing them against the manifest's checksums."""
     folder = partition_dir / f"part={part}"
-    link = (folder / PART_PAIRS).is_file()
     names = [f"part={part}/{name}.parquet" for name in ("nodes", "edges", "halo")]
-    meta = verify_files(partition_dir, names + ([f"part={part}/{PART_PAIRS}"] if link else []), PartitionManifest)
+    meta = verify_files(partition_dir, names, PartitionManifest)
+    pairs_file = f"part={part}/{PART_PAIRS}"
+    link = meta.files is not None and pairs_file in meta.files  # a link partition lists its pairs
+    if link:
+        verify_files(partition_dir, [pairs_file], PartitionManifest)
     nodes = read_table(folder / "nodes.parquet")
     edges = read_table(folder / "edges.parquet")
     halo = read_table(folder / "halo.parquet")
@@ -180,12 +183,10 @@ def local_positions(owned: np.ndarray, halo: np.ndarray, ids: np.ndarray) -> np.
 
 
 def load_whole_graph(dataset_dir: Path) -> PartData:
-    """The whole dataset as a single partition (for centralized training): no halo. Its three files
-    are hashed against the dataset manifest first."""
-    manifest = verify_files(dataset_dir, DATASET_FILES, DatasetManifest)
+    """The whole dataset as a single partition (for centralized training): no halo. Its files (the
+    three tables, and a link dataset's pairs) are hashed against the dataset manifest first."""
+    manifest = verify_files(dataset_dir, cached_manifest(dataset_dir, DatasetManifest).data_files, DatasetManifest)
     link = manifest.task == "link"
-    if link:
-        verify_files(dataset_dir, [LINK_PAIRS], DatasetManifest)
     nodes = read_table(dataset_dir / "nodes.parquet", columns=["node_id", "label", "split"])
     features = read_table(dataset_dir / "features.parquet", columns=feature_columns(manifest.feature_format))
     edges = read_table(dataset_dir / "edges.parquet")

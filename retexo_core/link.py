@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from retexo_core.comm.communicator import Communicator
 from retexo_core.data import PAIR_SPLITS, LinkPairs, PartData, local_positions
 from retexo_core.exchange import ExchangePlan
-from retexo_core.metrics import histogram_auc, hits_at_k, mean_reciprocal_rank, roc_auc
+from retexo_core.metrics import histogram_auc, hits_at_k, mean_reciprocal_rank, roc_auc, score_histogram
 
 NEGATIVE_POOL = 4096  # rows each peer sends every rank for its negative sources (a part's nodes when fewer)
 SCORE_CLIP = 16.0  # validation histogram: logits clipped to +-16
@@ -123,8 +123,7 @@ def link_index(comm: Communicator, data: PartData, seed: int) -> LinkIndex:
     weight[:n] = 1.0
     for j in range(comm.world):
         weight[n + starts[j]:n + starts[j + 1]] = sizes[j] / max(pools[j], 1)
-    src_id = np.where(data.src < n, data.node_id[np.minimum(data.src, n - 1)],
-                      data.halo_id[np.maximum(data.src - n, 0)] if data.num_halo else 0)
+    src_id = np.concatenate([data.node_id, data.halo_id])[data.src]
     keep = src_id != data.node_id[data.dst]
     train_src = local_positions(data.node_id, remote_id, src_id[keep])
     positives = comm.all_reduce(torch.tensor([float(np.count_nonzero(keep))], dtype=torch.float64), "control")
@@ -169,13 +168,6 @@ def link_loss(emb: torch.Tensor, index: LinkIndex, num_owned: int, gen: torch.Ge
     return (F.softplus(-pos).sum() + F.softplus(neg).sum()) / max(2 * index.positives, 1)
 
 
-def score_histogram(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(2, SCORE_BINS) float64 counts of the negatives' and positives' clipped logits."""
-    clipped = scores.double().clamp(-SCORE_CLIP, SCORE_CLIP)
-    bins = ((clipped + SCORE_CLIP) * (SCORE_BINS / (2 * SCORE_CLIP))).long().clamp(max=SCORE_BINS - 1)
-    return torch.stack([torch.bincount(bins[labels == c], minlength=SCORE_BINS).double() for c in (0, 1)])
-
-
 def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, pairs: LinkPairs) -> tuple[float, float]:
     """(mean BCE loss, ROC-AUC) of the validation pairs over all ranks, from one all-reduce of
     2 + 2 x SCORE_BINS numbers (control)."""
@@ -185,7 +177,7 @@ def validation_stats(comm: Communicator, emb: torch.Tensor, index: LinkIndex, pa
     loss = F.binary_cross_entropy_with_logits(scores, labels, reduction="sum")
     sent = torch.cat([torch.stack([loss.double(), torch.tensor(float(len(labels)), dtype=torch.float64,
                                                                   device=emb.device)]),
-                      score_histogram(scores, labels.long()).flatten()]).cpu()
+                      score_histogram(scores, labels.long(), SCORE_BINS, SCORE_CLIP).flatten()]).cpu()
     total = comm.all_reduce(sent, "control").numpy()
     if not total[1]:
         return float("nan"), float("nan")
@@ -233,10 +225,9 @@ def site_link_evaluation(comm: Communicator, scores: torch.Tensor, label: torch.
     in a bin above the K-th negative's) gives MRR and Hits@K. Exact up to the bin width."""
     scores, label = scores.detach().cpu().double(), label.cpu()
     bins = ((scores.clamp(-SCORE_CLIP, SCORE_CLIP) + SCORE_CLIP) * (SITE_BINS / (2 * SCORE_CLIP))).long()
-    bins = bins.clamp(max=SITE_BINS - 1)
+    bins = bins.clamp(max=SITE_BINS - 1)  # each positive's bin, for its rank below
     masks = [torch.from_numpy(split == name) for name in PAIR_SPLITS]
-    histograms = torch.stack([torch.stack([torch.bincount(bins[m & (label == c)], minlength=SITE_BINS).double()
-                                           for c in (0, 1)]) for m in masks])
+    histograms = torch.stack([score_histogram(scores[m], label[m], SITE_BINS, SCORE_CLIP) for m in masks])
     total = comm.all_reduce(histograms, "control").numpy()  # (splits, 2, bins)
     sums = []
     for k, mask in enumerate(masks):

@@ -68,6 +68,14 @@ def hits_at_k(pos: np.ndarray, neg: np.ndarray, k: int) -> float:
     return float(np.mean(np.asarray(pos, np.float64) > kth))
 
 
+def score_histogram(scores: torch.Tensor, labels: torch.Tensor, bins: int, clip: float) -> torch.Tensor:
+    """(2, bins) float64 counts of the negatives' (label 0) and positives' (label 1) scores,
+    clipped to ±``clip`` and cut into ``bins`` equal bins (the input of ``histogram_auc``)."""
+    clipped = scores.double().clamp(-clip, clip)
+    index = ((clipped + clip) * (bins / (2 * clip))).long().clamp(max=bins - 1)
+    return torch.stack([torch.bincount(index[labels == c], minlength=bins).double() for c in (0, 1)])
+
+
 def histogram_auc(counts: np.ndarray) -> float:
     """ROC-AUC from (2, B) negative / positive counts per score bin: a positive outranks the
     negatives of lower bins and ties half of those in its bin (exact up to ties within a bin)."""

@@ -102,8 +102,9 @@ def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], embeddings: t
              ) -> list[dict[str, object]]:
     """The run's evaluation rows: per node split (``final_evaluation``), or per pair split (task
     link: ``embeddings`` of every row this rank embeds)."""
-    if embeddings is None or ctx.link is None or ctx.data.pairs is None:
+    if embeddings is None:
         return final_evaluation(ctx, outputs)
+    assert ctx.link is not None and ctx.data.pairs is not None  # link embeddings come with both
     rows, pairs = ctx.link.pair_rows, ctx.data.pairs
     scores = pair_scores(embeddings, ctx.link.pair_src, ctx.link.pair_dst)
     return link_evaluation(ctx.comm, scores, pairs.label[rows], pairs.split[rows], ctx.config.hits_k,
@@ -113,10 +114,11 @@ def evaluate(ctx: WorkerContext, outputs: dict[str, torch.Tensor], embeddings: t
 def write_outcome(ctx: WorkerContext, logits: torch.Tensor, embeddings: torch.Tensor | None, sink: ResultSink) -> None:
     """This rank's predictions (node task), or its evaluation pairs' scores and, with
     ``recommend``, its nodes' recommendations (task link)."""
-    pairs, index = ctx.data.pairs, ctx.link
-    if embeddings is None or pairs is None or index is None:
+    if embeddings is None:
         write_predictions(ctx, logits, sink)
         return
+    pairs, index = ctx.data.pairs, ctx.link
+    assert pairs is not None and index is not None
     rows = index.pair_rows
     scores = pair_scores(embeddings, index.pair_src, index.pair_dst).cpu().numpy().astype(np.float32)
     sink.write_link_scores(ctx.data.part, pairs.src_id[rows], ctx.data.node_id[pairs.dst[rows]], scores,

@@ -186,30 +186,29 @@ class RunFolder:
 
     def write_predictions(self, part: int, node_id: np.ndarray, predicted: np.ndarray, score: np.ndarray,
                           split: np.ndarray) -> None:
-        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / PREDICTIONS
-        table = pa.table({"node_id": pa.array(node_id, pa.int64()), "predicted": pa.array(predicted, pa.int64()),
-                          "score": pa.array(score, pa.float32()), "split": pa.array(split, pa.string())})
-        pq.write_table(table, path, compression=COMPRESSION)
-        fsync_file(path)
-        record_digests(path.parent.parent, [f"part={part}/{PREDICTIONS}"], f"rank-{part}-predictions")
+        self._write_last_layer(part, PREDICTIONS, pa.table({
+            "node_id": pa.array(node_id, pa.int64()), "predicted": pa.array(predicted, pa.int64()),
+            "score": pa.array(score, pa.float32()), "split": pa.array(split, pa.string())}), "predictions")
 
     def write_link_scores(self, part: int, src: np.ndarray, dst: np.ndarray, score: np.ndarray, label: np.ndarray,
                           split: np.ndarray) -> None:
-        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / LINK_SCORES
-        table = pa.table({"src": pa.array(src, pa.int64()), "dst": pa.array(dst, pa.int64()),
-                          "score": pa.array(score, pa.float32()), "label": pa.array(label, pa.int8()),
-                          "split": pa.array(split, pa.string())})
-        pq.write_table(table, path, compression=COMPRESSION)
-        fsync_file(path)
-        record_digests(path.parent.parent, [f"part={part}/{LINK_SCORES}"], f"rank-{part}-link-scores")
+        self._write_last_layer(part, LINK_SCORES, pa.table({
+            "src": pa.array(src, pa.int64()), "dst": pa.array(dst, pa.int64()), "score": pa.array(score, pa.float32()),
+            "label": pa.array(label, pa.int8()), "split": pa.array(split, pa.string())}), "link-scores")
 
     def write_recommendations(self, part: int, rows: dict[str, np.ndarray]) -> None:
-        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / RECOMMENDATIONS
-        table = pa.table({"node_id": pa.array(rows["node_id"], pa.int64()), "candidate": pa.array(rows["candidate"], pa.int64()),
-                          "score": pa.array(rows["score"], pa.float32()), "rank": pa.array(rows["rank"], pa.int32())})
+        self._write_last_layer(part, RECOMMENDATIONS, pa.table({
+            "node_id": pa.array(rows["node_id"], pa.int64()), "candidate": pa.array(rows["candidate"], pa.int64()),
+            "score": pa.array(rows["score"], pa.float32()), "rank": pa.array(rows["rank"], pa.int32())}),
+            "recommendations")
+
+    def _write_last_layer(self, part: int, name: str, table: pa.Table, what: str) -> None:
+        """``table`` as ``part=<part>/<name>`` of the last layer's temporary folder, fsynced, with
+        its digest recorded for the layer's manifest."""
+        path = Path(self.stage(self.config.layers).temp) / f"part={part}" / name
         pq.write_table(table, path, compression=COMPRESSION)
         fsync_file(path)
-        record_digests(path.parent.parent, [f"part={part}/{RECOMMENDATIONS}"], f"rank-{part}-recommendations")
+        record_digests(path.parent.parent, [f"part={part}/{name}"], f"rank-{part}-{what}")
 
     def gather_traffic(self, comm: Communicator) -> None:
         """``ResultSink.gather_traffic``: in a site's run, every site tells the coordinator its

@@ -21,7 +21,7 @@ from retexo_core.device import CPU
 from retexo_core.exchange import ExchangePlan, full_plan, view_plan
 from retexo_core.halo import VIEWS, HaloPlan, build_plan
 from retexo_core.link import LinkIndex, link_index
-from retexo_core.metrics import accuracy, confusion, histogram_auc, macro_f1, roc_auc
+from retexo_core.metrics import accuracy, confusion, histogram_auc, macro_f1, roc_auc, score_histogram
 from retexo_core.models import LocalGraph, local_graph
 
 log = logging.getLogger("retexo.train")
@@ -198,9 +198,7 @@ class SplitStats(NamedTuple):
 def margin_histogram(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(2, AUC_BINS) float64 counts of the negatives' and the positives' margins ``logits[:, 1] -
     logits[:, 0]`` (monotone in the positive-class probability), clipped to ±AUC_MARGIN."""
-    margin = (logits[:, 1] - logits[:, 0]).double().clamp(-AUC_MARGIN, AUC_MARGIN)
-    bins = ((margin + AUC_MARGIN) * (AUC_BINS / (2 * AUC_MARGIN))).long().clamp(max=AUC_BINS - 1)
-    return torch.stack([torch.bincount(bins[y == c], minlength=AUC_BINS).double() for c in (0, 1)])
+    return score_histogram(logits[:, 1] - logits[:, 0], y, AUC_BINS, AUC_MARGIN)
 
 
 def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, SplitStats]:
