@@ -8,7 +8,10 @@ for validation, 10 % for test, as many negatives, PyG's fractions), and every ro
 scored on the same stored pairs. The reference trains on the split's training edges as arrays
 (PyG scores its test pairs on the training edges plus the validation positives, as the example's
 ``RandomLinkSplit`` does); the project's runs train through the pipeline with their defaults
-(``--recipe auto``), retexo on a METIS partition into ``--parts`` parts.
+(``--recipe auto``), retexo on a METIS partition into ``--parts`` parts, their ranks as threads of
+this process (the same bytes and results as processes). ``--graphs`` takes any graph of the
+accuracy suite (``benchmarks/accuracy.py``: ``../shared/datasets``, ingested from its original
+files); ``--what`` also takes ``retexo-screen<N>`` (the recipe search with ``--recipe-screen N``).
 
     python benchmarks/link_prediction.py --graphs cora,citeseer --seeds 3
 """
@@ -21,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from accuracy import SUITE, ingest
 from common import REPO, mb  # noqa: F401 (puts the repository on the path)
-from graphstore.ingest.api import ingest_planetoid
 from graphstore.ingest.link_split import LinkSplitOptions, split_links
 from graphstore.layout import LINK_PAIRS, Store
 from graphstore.lookup import DatasetRef
@@ -31,10 +34,10 @@ from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from pyg_link_reference import train_plain_link
 from retexo_core.config import TrainConfig
-from runner.lifecycle import run_training
+from runner.lifecycle import LaunchOptions, run_training
 from runner.request import RunRequest, prepare_run
 
-PLANETOID = {"cora": "cora", "citeseer": "citeseer"}  # graph -> folder of ../shared/datasets
+GRAPHS = {graph.name: graph for graph in SUITE}
 METRICS = ("roc_auc", "mrr", "hits_at_k")
 
 
@@ -67,7 +70,7 @@ def pipeline_row(store: Store, dataset: DatasetRef, what: str, parts: int, hits_
         partition = build_partition(store, dataset, PartitionOptions(method=method, parts=parts, seed=0))
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")
     started = time.perf_counter()
-    summary, _ = run_training(plan)
+    summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     rows = {r["split"]: r for r in summary.evaluation}
     return {"what": what, "bytes": summary.total_bytes, "seconds": summary.wall_s or time.perf_counter() - started,
             **{f"{s}_{m}": float(rows[s][m]) for s in ("val", "test") for m in METRICS}}
@@ -90,7 +93,7 @@ def main() -> None:
     wanted = args.what.split(",")
     table: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for graph in args.graphs.split(","):
-        source = ingest_planetoid(store, REPO.parent / "shared" / "datasets" / PLANETOID[graph], graph)
+        source = ingest(store, GRAPHS[graph], REPO.parent / "shared" / "datasets")
         for seed in range(args.seeds):
             dataset = split_links(store, source, f"{graph}_link{seed}", LinkSplitOptions(seed=seed))
             rows = []
@@ -111,6 +114,12 @@ def main() -> None:
             if "retexo-default" in wanted:  # no recipe search beyond the features: a third of the gradient sync
                 rows.append(pipeline_row(store, dataset, f"retexo --recipe default ({args.parts} parts)", args.parts,
                                          args.hits_k, strategy="retexo", recipe="default", seed=seed))
+            for what in wanted:
+                if what.startswith("retexo-screen"):  # the search with fewer rounds per candidate
+                    screen = int(what.removeprefix("retexo-screen"))
+                    rows.append(pipeline_row(store, dataset, f"retexo --recipe-screen {screen} ({args.parts} parts)",
+                                             args.parts, args.hits_k, strategy="retexo", recipe_screen=screen,
+                                             seed=seed))
             for row in rows:
                 print(f"  {graph} seed {seed} {row['what']}: test roc_auc {row['test_roc_auc']:.4f} mrr "
                       f"{row['test_mrr']:.4f} hits@{args.hits_k} {row['test_hits_at_k']:.4f} (val roc_auc "
