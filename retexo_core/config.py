@@ -76,9 +76,10 @@ class TrainConfig(BaseModel):
         "validation, knob by knob: per layer from its one halo exchange for layer-wise training, the whole model "
         "for centralized (other end-to-end strategies search the feature normalisation only); default: the "
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
-    recipe_screen: int = option(50, "recipe auto, layer-wise: rounds each alternative recipe trains before the best "
-                                "one so far goes on to the layer's full rounds.", scope="layer",
-                                strategies=LAYERWISE, ge=1)
+    recipe_screen: int | None = option(
+        None, "recipe auto, layer-wise: rounds each alternative recipe trains before the best one so far goes on to "
+        "the layer's full rounds (default: 50 for task node, 20 for task link, whose every round scores all the "
+        "training edges).", scope="layer", strategies=LAYERWISE, ge=1)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
@@ -256,6 +257,13 @@ class TrainConfig(BaseModel):
         if self.recipe in ("auto", "default"):
             return None
         return {int(k): v for k, v in json.loads(self.recipe)["layers"].items()}
+
+    @property
+    def screen_rounds(self) -> int:
+        """Rounds each recipe candidate of a layer-wise search trains before the next one."""
+        if self.recipe_screen is not None:
+            return self.recipe_screen
+        return 20 if self.task == "link" else 50
 
     def layer_rounds(self, layer: int) -> int:
         return int(self.per_layer("rounds", layer))

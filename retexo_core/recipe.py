@@ -22,7 +22,9 @@ searches every layer on its own, from the inputs of its single halo exchange, so
 costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is
 searched as a whole (``features`` and, for ``centralized``, every knob). ``features`` is only
 searched on layer 1 with ``--normalize-features auto`` and non-negative features; ``norm`` is not
-searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one),
+searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one) nor on
+layer 1 of layer-wise link training (a root weight on the raw features doubles the widest layer's gradient
+sync, which put retexo's bytes above ``standard``'s on the suite's graphs),
 ``attention`` (dropout of the attention coefficients, as PyG's GAT example has it) only for GAT, and
 neither under a warm start (the parameters must fit); layer 1 of layer-wise training always keeps
 its weight decay.
@@ -86,7 +88,7 @@ class Candidate:
         return dict(self.knobs)
 
 
-def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: bool) -> list[str]:
+def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: bool, end_to_end: bool) -> list[str]:
     """The knobs searched for layer ``layer``: ``features`` where it can differ; the rest only
     with ``full`` (``--recipe auto`` where a whole search applies)."""
     names = []
@@ -95,8 +97,9 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
     if full:
         last = layer == config.layers
         structural = config.warm_start is not None  # the warm-start parameters must fit the block
+        wide = config.task == "link" and not end_to_end  # a root weight on layer 1 doubles its gradient sync
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
-                  and not (n == "skip" and (config.model == "sage" or structural))
+                  and not (n == "skip" and (config.model == "sage" or structural or (wide and layer == 1)))
                   and not (n == "attention" and config.model != "gat")]
     return names
 
@@ -112,7 +115,7 @@ def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative
     if fixed is not None:
         return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
     full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph)
-    names = searched_knobs(config, layer, nonnegative=nonnegative, full=full)
+    names = searched_knobs(config, layer, nonnegative=nonnegative, full=full, end_to_end=end_to_end)
     return GreedySearch(start, names, layer=layer, end_to_end=end_to_end)
 
 

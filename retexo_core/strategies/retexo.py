@@ -374,7 +374,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
 
     The layer's recipe candidates (``recipe.search_for``) all train from the same initial parameters
     on inputs prepared from the same single halo exchange (one preparation per ``features``
-    value). The start recipe trains ``recipe_screen`` rounds, then each alternative as many; a
+    value). The start recipe trains ``screen_rounds`` rounds, then each alternative as many; a
     strictly better best validation score replaces the kept one, which finally goes on to the
     layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored.
     ``kinds``: the classes that prepare the inputs and train a candidate (the link task's, for it)."""
@@ -387,7 +387,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     prepared = dict(zip(features, inputs_kind.exchanged(ctx, layer, base.model, own,
                                                           [features_transform(base, {"features": f}) for f in features],
                                                           keep_own=skips)))
-    screen = base.recipe_screen if search.size > 1 else base.layer_rounds(layer)
+    screen = base.screen_rounds if search.size > 1 else base.layer_rounds(layer)
     total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
     spent = 0
     kept: LayerFit | None = None
