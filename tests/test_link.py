@@ -221,3 +221,18 @@ def test_a_featureless_bipartite_table_gets_identity_features_and_trains_links(t
                  ["train", "shop_link", "--task", "link", "--parts", "2", "--rounds", "3", "--recipe", "default"]):
         result = run_cli(*args, store=store, timeout=300)
         assert result.returncode == 0, result.stderr
+
+
+def test_the_link_search_screens_20_rounds_and_keeps_layer_1_without_a_root_weight() -> None:
+    """Layer-wise link training searches no skip on layer 1 (it would double the widest gradient
+    sync) and screens each candidate 20 rounds; layer 2 and end-to-end models search skip."""
+    from retexo_core.config import TrainConfig
+    from retexo_core.recipe import search_for
+
+    def knobs(config: TrainConfig, layer: int, end_to_end: bool = False) -> set[str]:
+        return {name for name, _ in search_for(config, layer, end_to_end=end_to_end, nonnegative=True).plan}
+
+    link, node = TrainConfig(task="link"), TrainConfig()
+    assert "skip" not in knobs(link, 1) and "skip" in knobs(link, 2) and "skip" in knobs(node, 1)
+    assert "skip" in knobs(TrainConfig(task="link", strategy="centralized"), 1, end_to_end=True)
+    assert (link.screen_rounds, node.screen_rounds, TrainConfig(task="link", recipe_screen=7).screen_rounds) == (20, 50, 7)
