@@ -11,7 +11,9 @@ scored on the same stored pairs. The reference trains on the split's training ed
 (``--recipe auto``), retexo on a METIS partition into ``--parts`` parts, their ranks as threads of
 this process (the same bytes and results as processes). ``--graphs`` takes any graph of the
 accuracy suite (``benchmarks/accuracy.py``: ``../shared/datasets``, ingested from its original
-files); ``--what`` also takes ``retexo-screen<N>`` (the recipe search with ``--recipe-screen N``).
+files) and SEAL's eight structure-only link-prediction graphs (``seal_linkpred``: ``retexo ingest
+mat``, node i's feature the one-hot i); ``--what`` also takes ``retexo-screen<N>`` (the recipe
+search with ``--recipe-screen N``).
 
     python benchmarks/link_prediction.py --graphs cora,citeseer --seeds 3
 """
@@ -26,6 +28,7 @@ import numpy as np
 
 from accuracy import SUITE, ingest
 from common import REPO, mb  # noqa: F401 (puts the repository on the path)
+from graphstore.ingest.api import ingest_mat
 from graphstore.ingest.link_split import LinkSplitOptions, split_links
 from graphstore.layout import LINK_PAIRS, Store
 from graphstore.lookup import DatasetRef
@@ -37,7 +40,18 @@ from retexo_core.config import TrainConfig
 from runner.lifecycle import LaunchOptions, run_training
 from runner.request import RunRequest, prepare_run
 
-GRAPHS = {graph.name: graph for graph in SUITE}
+DATASETS = REPO.parent / "shared" / "datasets"
+SUITE_GRAPHS = {graph.name: graph for graph in SUITE}
+SEAL = ("USAir", "NS", "PB", "Yeast", "Celegans", "Power", "Router", "Ecoli")  # seal_linkpred/<name>.mat
+GRAPHS = (*SUITE_GRAPHS, *(name.lower() for name in SEAL))
+
+
+def source_graph(store: Store, graph: str) -> DatasetRef:
+    """``graph`` ingested from its original files."""
+    if graph in SUITE_GRAPHS:
+        return ingest(store, SUITE_GRAPHS[graph], DATASETS)
+    file = next(name for name in SEAL if name.lower() == graph)
+    return ingest_mat(store, DATASETS / "seal_linkpred" / f"{file}.mat", graph)
 METRICS = ("roc_auc", "mrr", "hits_at_k")
 
 
@@ -89,11 +103,14 @@ def main() -> None:
     parser.add_argument("--what", default="reference,centralized,standard,tma,retexo,retexo-default")
     parser.add_argument("--store", default="/tmp/retexo-link-bench")
     args = parser.parse_args()
+    unknown = sorted(set(args.graphs.split(",")) - set(GRAPHS))
+    if unknown:
+        parser.error(f"--graphs: unknown {', '.join(unknown)} (expected some of {', '.join(GRAPHS)})")
     store = Store.open(args.store)
     wanted = args.what.split(",")
     table: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for graph in args.graphs.split(","):
-        source = ingest(store, GRAPHS[graph], REPO.parent / "shared" / "datasets")
+        source = source_graph(store, graph)
         for seed in range(args.seeds):
             dataset = split_links(store, source, f"{graph}_link{seed}", LinkSplitOptions(seed=seed))
             rows = []

@@ -12,7 +12,8 @@ from cli.console import print_table, progress_bars
 from cli.options import OptionGroup, collect, with_options
 from cli.shared_options import ForceOption, StoreOption, open_store
 from graphstore.catalog import refresh_catalog
-from graphstore.ingest.api import check_name, ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic, ingest_tables
+from graphstore.ingest.api import (check_name, ingest_mat, ingest_npz, ingest_ogb, ingest_planetoid, ingest_synthetic,
+                                   ingest_tables)
 from graphstore.ingest.features import REQUESTED_FORMAT_HELP, RequestedFormat
 from graphstore.ingest.link_split import LinkSplitOptions, split_links
 from graphstore.ingest.splits import SplitFractions
@@ -80,6 +81,24 @@ def ingest_npz_cmd(
     st = open_store(store)
     fractions = collect(SPLIT_OPTIONS, options)
     show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force))  # type: ignore[arg-type]
+    refresh_catalog(st)
+
+
+@ingest_app.command("mat")
+def ingest_mat_cmd(
+    file: Annotated[Path, typer.Argument(help="A MATLAB .mat file holding an N x N adjacency matrix (v4 to v7.2).")],
+    name: Annotated[str, typer.Option(help="Dataset name in the store.")],
+    key: Annotated[Optional[str], typer.Option(help="The matrix's variable name (default: the file's only 2-D "
+                                                    "matrix; SEAL's files call it net).")] = None,
+    store: StoreOption = None,
+) -> None:
+    """Ingest a graph saved as an adjacency matrix (SEAL's link-prediction benchmarks, e.g. USAir.mat).
+
+    Node ids are the rows 0..N-1, edges the non-zero entries off the diagonal; a symmetric matrix is stored
+    undirected. Without features or labels in such files, node i gets the one-hot feature i (sparse): split its
+    edges with `retexo ingest link-split` and train `--task link`."""
+    st = open_store(store)
+    show_dataset(ingest_mat(st, file, name, key))
     refresh_catalog(st)
 
 

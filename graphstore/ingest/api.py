@@ -16,7 +16,7 @@ import numpy as np
 
 from graphstore.errors import InputError
 from graphstore.fingerprint import file_digest
-from graphstore.ingest import npz_source, ogb_source, planetoid, synthetic
+from graphstore.ingest import mat_source, npz_source, ogb_source, planetoid, synthetic
 from graphstore.ingest.features import RequestedFormat, as_stored
 from graphstore.ingest.graph import SourceGraph
 from graphstore.ingest.splits import SplitFractions, stratified_split
@@ -117,6 +117,14 @@ def ingest_npz(
             return npz_source.load_npz(arrays, index, undirected, feature_format)
 
         return _ingest(store, name, "npz", options, {"file": file_digest(path)}, load, fractions, feature_format)
+
+
+def ingest_mat(store: Store, path: Path, name: str, key: str | None = None) -> DatasetRef:
+    """A MATLAB ``.mat`` adjacency matrix (``graphstore.ingest.mat_source``): identity features,
+    no labels, for the link task."""
+    name = check_name(name)
+    content = {"file": file_digest(path)} if path.is_file() else {}
+    return _ingest(store, name, "mat", {"key": key}, content, lambda: mat_source.load_mat(path, key), None, "sparse")
 
 
 def ingest_tables(
