@@ -78,8 +78,8 @@ class TrainConfig(BaseModel):
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
     recipe_screen: int | None = option(
         None, "recipe auto, layer-wise: rounds each alternative recipe trains before the best one so far goes on to "
-        "the layer's full rounds (default: 50 for task node, 20 for task link, whose every round scores all the "
-        "training edges).", scope="layer", strategies=LAYERWISE, ge=1)
+        "the layer's full rounds (default: 50 for task node; 20 for task link, so that the search's gradient "
+        "sync stays within the halo traffic it saves).", scope="layer", strategies=LAYERWISE, ge=1)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)

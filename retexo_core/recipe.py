@@ -97,9 +97,9 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
     if full:
         last = layer == config.layers
         structural = config.warm_start is not None  # the warm-start parameters must fit the block
-        wide = config.task == "link" and not end_to_end  # a root weight on layer 1 doubles its gradient sync
+        link_layerwise = config.task == "link" and not end_to_end  # a layer-1 root weight doubles its gradient sync
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
-                  and not (n == "skip" and (config.model == "sage" or structural or (wide and layer == 1)))
+                  and not (n == "skip" and (config.model == "sage" or structural or (link_layerwise and layer == 1)))
                   and not (n == "attention" and config.model != "gat")]
     return names
 
