@@ -9,7 +9,7 @@ import scipy.sparse
 
 from conftest import run_cli
 from graphstore.ingest.api import ingest_synthetic
-from graphstore.ingest.link_split import LinkSplitOptions, split_links
+from graphstore.ingest.link_split import LinkSplitOptions, site_pairs, split_links
 from graphstore.ingest.splits import SplitFractions
 from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.layout import LINK_PAIRS, PART_PAIRS, Store
@@ -236,3 +236,41 @@ def test_the_link_search_screens_20_rounds_and_keeps_layer_1_without_a_root_weig
     assert "skip" not in knobs(link, 1) and "skip" in knobs(link, 2) and "skip" in knobs(node, 1)
     assert "skip" in knobs(TrainConfig(task="link", strategy="centralized"), 1, end_to_end=True)
     assert (link.screen_rounds, node.screen_rounds, TrainConfig(task="link", recipe_screen=7).screen_rounds) == (20, 50, 7)
+
+
+def test_a_split_file_names_the_held_out_edges(link_graph, tmp_path) -> None:
+    """``--split-edges FILE`` (src, dst, split): its val and test rows are held out in both
+    directions, every other edge trains; bad rows are one line naming the file, column and row."""
+    store, source, _, _ = link_graph
+    edges = read_table(source.path / "edges.parquet")
+    src, dst = edges.column("src").to_numpy(), edges.column("dst").to_numpy()
+    forward = np.flatnonzero(src < dst)
+    split = np.array(["train"] * len(forward), dtype=object)
+    split[:30], split[30:40] = "test", "val"
+    table = tmp_path / "edges_split.csv"
+    table.write_text("src,dst,split\n" + "".join(f"{dst[i]},{src[i]},{s}\n" for i, s in zip(forward, split)))
+    dataset = split_links(store, source, "sbm_by_file", LinkSplitOptions(split_edges=str(table), seed=1))
+    pairs = read_table(dataset.path / LINK_PAIRS)
+    for name, rows in (("test", forward[:30]), ("val", forward[30:40])):
+        chosen = pairs.filter(pairs.column("split").to_numpy(zero_copy_only=False) == name)
+        positives = chosen.filter(chosen.column("label").to_numpy() == 1)
+        assert edge_keys(positives.column("src").to_numpy(), positives.column("dst").to_numpy()) == \
+            edge_keys(src[rows], dst[rows])
+        assert chosen.num_rows == 2 * len(rows)
+    kept = read_table(dataset.path / "edges.parquet")
+    held = edge_keys(src[forward[:40]], dst[forward[:40]]) | edge_keys(dst[forward[:40]], src[forward[:40]])
+    assert edge_keys(kept.column("src").to_numpy(), kept.column("dst").to_numpy()) == edge_keys(src, dst) - held
+    # a site (its nodes and the edges into them) holds out the listed edges it has, in either direction
+    node_id = read_table(source.path / "nodes.parquet").column("node_id").to_numpy()
+    mine = np.isin(dst, node_id[:150])
+    _, keep = site_pairs(node_id[:150], src[mine], dst[mine], LinkSplitOptions(split_edges=str(table), seed=1),
+                            np.random.default_rng(1))
+    assert edge_keys(src[mine][~keep], dst[mine][~keep]) == held & edge_keys(src[mine], dst[mine])
+    (tmp_path / "bad_value.csv").write_text(f"src,dst,split\n{src[0]},{dst[0]},holdout\n")
+    (tmp_path / "no_edge.csv").write_text(f"src,dst,split\n{src[0]},{dst[0]},test\n{src[0]},{src[0]},test\n")
+    for file, expected in (("bad_value.csv", "column 'split', row 1: expected train, val or test, found 'holdout'"),
+                           ("no_edge.csv", f"column 'src', row 2: {src[0]} -> {src[0]} is not an edge of the graph")):
+        result = run_cli("ingest", "link-split", source.name, "--name", "bad_split", "--split-edges",
+                         tmp_path / file, store=store.root)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1

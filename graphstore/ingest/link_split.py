@@ -15,7 +15,10 @@ is scored on the same pairs.
 For an undirected (symmetric) source, an undirected edge is held out with both its directions; a
 directed source holds out directed edges. Self loops always stay in training. The split is drawn
 with ``LinkSplitOptions.seed``: the held-out edges are a random ``val`` / ``test`` fraction of the
-edges (PyG's ``RandomLinkSplit`` fractions), the negatives uniform pairs of nodes.
+edges (PyG's ``RandomLinkSplit`` fractions), the negatives uniform pairs of nodes. Or the user
+names the held-out edges (``split_edges``: a CSV or Parquet table of ``src, dst, split``, e.g. the
+edges table with a ``split`` column from a split by time): its ``val`` and ``test`` rows are held
+out, every other edge trains, and only the negatives are drawn.
 
 A site's dataset (``ingest tables --remote-sources``: its nodes and every edge into them) is split
 without asking the other sites (``site_pairs``): whether an edge is held out, and in which split,
@@ -41,6 +44,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from graphstore.atomic import atomic_artefact
 from graphstore.errors import InputError
+from graphstore.fingerprint import file_digest
+from graphstore.ingest.tables import integer_column, read_any_table, require_column
 from graphstore.integrity import verify_files
 from graphstore.ingest.writer import dataset_fingerprint
 from graphstore.layout import DATASET_FILES, LINK_PAIRS, Store
@@ -61,6 +66,10 @@ class LinkSplitOptions(BaseModel):
                         description="Fraction of the edges held out for testing (with as many negative pairs).")
     seed: int = Field(0, ge=0, json_schema_extra={"cli": "link_seed"},
                       description="Seed of the edge split and of the negative pairs.")
+    split_edges: str | None = Field(
+        None, description="A CSV or Parquet table with columns src, dst and split (train, val or test): its val and "
+        "test edges are held out instead of drawn fractions (e.g. the edges table with a split column); the seed "
+        "draws the negatives only.")
 
     @model_validator(mode="after")
     def _fits(self) -> "LinkSplitOptions":
@@ -89,6 +98,36 @@ def held_out(src: np.ndarray, dst: np.ndarray, symmetric: bool, options: LinkSpl
         reverse = dst[removed].astype(np.int64) * n + src[removed]
         keep &= ~np.isin(keys, reverse)
     return chosen, keep
+
+
+def listed_split(path: Path, src_id: np.ndarray, dst_id: np.ndarray, symmetric: bool, site: bool = False) -> np.ndarray:
+    """(E,) the split ``path`` gives each edge ``src_id -> dst_id`` of the graph (ids): ``val``,
+    ``test``, or ``train`` for an edge it lists as such or does not list (for a symmetric graph a
+    row names both directions). ``InputError`` naming the file, column and row of a bad row, or of
+    an edge the graph lacks (a ``site`` ignores the rows of edges other sites hold)."""
+    table = read_any_table(path)
+    src, dst = integer_column(table, "src", path), integer_column(table, "dst", path)
+    split = np.asarray(require_column(table, "split", path).to_pylist(), dtype=object)
+    bad = np.flatnonzero(~np.isin(split, ["train", "val", "test"]))
+    if len(bad):
+        raise InputError(str(path), f"expected train, val or test, found {split[bad[0]]!r}", "split", int(bad[0]) + 1)
+    def unordered(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # noqa: E306
+        return np.stack([np.minimum(u, v), np.maximum(u, v)] if symmetric else [u, v], axis=1)
+    _, ids = np.unique(np.concatenate([unordered(src, dst), unordered(src_id, dst_id)]), axis=0, return_inverse=True)
+    ids = ids.reshape(-1)
+    listed, graph = ids[:len(src)], ids[len(src):]
+    absent = np.flatnonzero(~np.isin(listed, graph))
+    if len(absent) and not site:
+        row = int(absent[0])
+        raise InputError(str(path), f"{src[row]} -> {dst[row]} is not an edge of the graph", "src", row + 1)
+    of_id = np.full(len(ids), "train", dtype=object)
+    of_id[listed] = split
+    if (of_id[listed] != split).any():
+        row = int(np.flatnonzero(of_id[listed] != split)[0])
+        raise InputError(str(path), f"{src[row]} -> {dst[row]} is listed in two splits", "split", row + 1)
+    out = of_id[graph]
+    out[src_id == dst_id] = "train"  # self loops always stay
+    return out.astype(str)
 
 
 def sample_pairs(need: int, m: int, sources: Callable[[int], np.ndarray], targets: Callable[[int], np.ndarray],
@@ -152,9 +191,12 @@ def site_pairs(node_id: np.ndarray, src: np.ndarray, dst: np.ndarray, options: L
                rng: np.random.Generator) -> tuple[pa.Table, np.ndarray]:
     """A site's split (see the module docstring): its pairs table and the (E,) mask of the edges
     (ids; ``dst`` its own) that stay for training."""
-    draw = pair_uniform(src, dst, options.seed)
-    split = np.where(draw < options.test, "test", np.where(draw < options.test + options.val, "val", "train"))
-    split[src == dst] = "train"
+    if options.split_edges is not None:
+        split = listed_split(Path(options.split_edges), src, dst, symmetric=True, site=True)
+    else:
+        draw = pair_uniform(src, dst, options.seed)
+        split = np.where(draw < options.test, "test", np.where(draw < options.test + options.val, "val", "train"))
+        split[src == dst] = "train"
     keep = split == "train"
     known = np.union1d(node_id, src)  # every id this site knows: dense positions for the pair keys
     s, d = np.searchsorted(known, src), np.searchsorted(known, dst)
@@ -179,7 +221,13 @@ def central_pairs(node_id: np.ndarray, src_id: np.ndarray, dst_id: np.ndarray, s
     """A whole graph's split (see the module docstring): its pairs table and the (E,) mask of the
     edges that stay for training."""
     src, dst = np.searchsorted(node_id, src_id), np.searchsorted(node_id, dst_id)
-    chosen, keep = held_out(src, dst, symmetric, options, rng)
+    if options.split_edges is not None:
+        split = listed_split(Path(options.split_edges), src_id, dst_id, symmetric)
+        candidates = (src < dst) if symmetric else (src != dst)
+        chosen = {name: np.flatnonzero(candidates & (split == name)) for name in ("test", "val")}
+        keep = split == "train"
+    else:
+        chosen, keep = held_out(src, dst, symmetric, options, rng)
     taken = np.unique(src.astype(np.int64) * len(node_id) + dst)
     negatives = negative_pairs(len(node_id), {s: len(chosen[s]) for s in ("val", "test")}, taken, symmetric, rng)
     pieces = []
@@ -203,8 +251,14 @@ def split_links(store: Store, source: DatasetRef, name: str, options: LinkSplitO
     manifest = source.manifest
     if manifest.task == "link":
         raise InputError(str(source.path), f"dataset {source.name} is a link split already; split its source instead")
-    opts = options.model_dump()
-    fp = dataset_fingerprint(name, "link_split", opts, {"dataset": source.fp})
+    opts = options.model_dump(exclude={"split_edges"} if options.split_edges is None else set())
+    content = {"dataset": source.fp}
+    if options.split_edges is not None:
+        split_file = Path(options.split_edges)
+        if not split_file.is_file():
+            raise InputError(options.split_edges, "file does not exist")
+        content["split_edges"] = file_digest(split_file)
+    fp = dataset_fingerprint(name, "link_split", opts, content)
     found = existing_dataset(store, name, fp)
     if found is not None:
         log.info("dataset %s (fp %s) is already in the store: nothing to do", name, fp)
@@ -220,6 +274,8 @@ def split_links(store: Store, source: DatasetRef, name: str, options: LinkSplitO
         pairs, keep = central_pairs(node_id, src, dst, manifest.symmetric, options, rng)
     split, label = pairs.column("split").to_numpy(zero_copy_only=False), pairs.column("label").to_numpy()
     if not np.count_nonzero(split == "test") and not manifest.remote_nodes:
+        if options.split_edges is not None:
+            raise InputError(options.split_edges, f"lists no test edge of {source.name}", "split")
         raise InputError("--test-edges", f"{options.test} of the {len(src)} edges of {source.name} holds out no edge")
     target = store.dataset_dir(name, fp)
     with atomic_artefact(store, target) as writer:
