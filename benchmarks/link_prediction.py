@@ -40,6 +40,7 @@ from retexo_core.config import TrainConfig
 from runner.lifecycle import LaunchOptions, run_training
 from runner.request import RunRequest, prepare_run
 
+METRICS = ("roc_auc", "mrr", "hits_at_k")
 DATASETS = REPO.parent / "shared" / "datasets"
 SUITE_GRAPHS = {graph.name: graph for graph in SUITE}
 SEAL = ("USAir", "NS", "PB", "Yeast", "Celegans", "Power", "Router", "Ecoli")  # seal_linkpred/<name>.mat
@@ -52,7 +53,6 @@ def source_graph(store: Store, graph: str) -> DatasetRef:
         return ingest(store, SUITE_GRAPHS[graph], DATASETS)
     file = next(name for name in SEAL if name.lower() == graph)
     return ingest_mat(store, DATASETS / "seal_linkpred" / f"{file}.mat", graph)
-METRICS = ("roc_auc", "mrr", "hits_at_k")
 
 
 def reference_row(dataset: DatasetRef, seed: int, hits_k: int) -> dict[str, Any]:

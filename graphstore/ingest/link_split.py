@@ -100,6 +100,11 @@ def held_out(src: np.ndarray, dst: np.ndarray, symmetric: bool, options: LinkSpl
     return chosen, keep
 
 
+def edge_rows(src: np.ndarray, dst: np.ndarray, symmetric: bool) -> np.ndarray:
+    """(E, 2) the edges as rows, each as (min, max) when ``symmetric`` (both directions alike)."""
+    return np.stack([np.minimum(src, dst), np.maximum(src, dst)] if symmetric else [src, dst], axis=1)
+
+
 def listed_split(path: Path, src_id: np.ndarray, dst_id: np.ndarray, symmetric: bool, site: bool = False) -> np.ndarray:
     """(E,) the split ``path`` gives each edge ``src_id -> dst_id`` of the graph (ids): ``val``,
     ``test``, or ``train`` for an edge it lists as such or does not list (for a symmetric graph a
@@ -111,9 +116,8 @@ def listed_split(path: Path, src_id: np.ndarray, dst_id: np.ndarray, symmetric: 
     bad = np.flatnonzero(~np.isin(split, ["train", "val", "test"]))
     if len(bad):
         raise InputError(str(path), f"expected train, val or test, found {split[bad[0]]!r}", "split", int(bad[0]) + 1)
-    def unordered(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # noqa: E306
-        return np.stack([np.minimum(u, v), np.maximum(u, v)] if symmetric else [u, v], axis=1)
-    _, ids = np.unique(np.concatenate([unordered(src, dst), unordered(src_id, dst_id)]), axis=0, return_inverse=True)
+    rows = [edge_rows(src, dst, symmetric), edge_rows(src_id, dst_id, symmetric)]
+    _, ids = np.unique(np.concatenate(rows), axis=0, return_inverse=True)  # one id per (unordered) edge
     ids = ids.reshape(-1)
     listed, graph = ids[:len(src)], ids[len(src):]
     absent = np.flatnonzero(~np.isin(listed, graph))
