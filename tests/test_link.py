@@ -18,9 +18,11 @@ from graphstore.partition.methods import PartitionOptions
 from graphstore.lookup import find_dataset
 from graphstore.parquet_io import features_of, read_table
 from graphstore.sql_query import query
+from retexo_core.config import TrainConfig
 from retexo_core.data import load_part
 from retexo_core.link import NEGATIVE_POOL
 from retexo_core.metrics import hits_at_k, mean_reciprocal_rank, roc_auc
+from retexo_core.recipe import search_for
 from training_helpers import F, HIDDEN, K, comm_log, halo_total, small_config, train
 
 
@@ -226,9 +228,6 @@ def test_a_featureless_bipartite_table_gets_identity_features_and_trains_links(t
 def test_the_link_search_screens_20_rounds_and_keeps_layer_1_without_a_root_weight() -> None:
     """Layer-wise link training searches no skip on layer 1 (it would double the widest gradient
     sync) and screens each candidate 20 rounds; layer 2 and end-to-end models search skip."""
-    from retexo_core.config import TrainConfig
-    from retexo_core.recipe import search_for
-
     def knobs(config: TrainConfig, layer: int, end_to_end: bool = False) -> set[str]:
         return {name for name, _ in search_for(config, layer, end_to_end=end_to_end, nonnegative=True).plan}
 

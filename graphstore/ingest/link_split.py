@@ -78,6 +78,12 @@ class LinkSplitOptions(BaseModel):
         return self
 
 
+def candidate_edges(src: np.ndarray, dst: np.ndarray, symmetric: bool) -> np.ndarray:
+    """(E,) bool: the edges a split may hold out, the non-loops (each undirected edge once, as
+    ``src < dst``, for a symmetric graph)."""
+    return (src < dst) if symmetric else (src != dst)
+
+
 def held_out(src: np.ndarray, dst: np.ndarray, symmetric: bool, options: LinkSplitOptions,
              rng: np.random.Generator) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Positions (into ``src``/``dst``, node positions) of the candidate edges chosen per split,
@@ -85,7 +91,7 @@ def held_out(src: np.ndarray, dst: np.ndarray, symmetric: bool, options: LinkSpl
 
     Candidates are the non-loop edges (for a symmetric graph each undirected edge once, as
     ``src < dst``); ``int(fraction * candidates)`` of them go to test, then to val."""
-    candidates = np.flatnonzero((src < dst) if symmetric else (src != dst))
+    candidates = np.flatnonzero(candidate_edges(src, dst, symmetric))
     order = rng.permutation(candidates)
     n_test, n_val = int(options.test * len(candidates)), int(options.val * len(candidates))
     chosen = {"test": np.sort(order[:n_test]), "val": np.sort(order[n_test:n_test + n_val])}
@@ -227,7 +233,7 @@ def central_pairs(node_id: np.ndarray, src_id: np.ndarray, dst_id: np.ndarray, s
     src, dst = np.searchsorted(node_id, src_id), np.searchsorted(node_id, dst_id)
     if options.split_edges is not None:
         split = listed_split(Path(options.split_edges), src_id, dst_id, symmetric)
-        candidates = (src < dst) if symmetric else (src != dst)
+        candidates = candidate_edges(src, dst, symmetric)
         chosen = {name: np.flatnonzero(candidates & (split == name)) for name in ("test", "val")}
         keep = split == "train"
     else:
