@@ -20,8 +20,14 @@ seeds, the mean megabytes sent, and the issue's inequalities per graph and model
 reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >= retexo - 1.5). Ranks run as
 threads of this process (``--launcher threads``: the same bytes and results as processes).
 
+The suite runs its (graph, model) pairs as ``--jobs`` processes side by side (default: one per
+CPU this process may use), each pinned to its own CPU with one torch thread: on two cores that
+does about twice the work of one process with two threads, since most of the suite's tensors are
+too small for two threads to share. The two largest graphs train one seed with 100 rounds per
+layer and 100 epochs instead of 200 (``SuiteGraph``), so that the suite fits in an hour here.
+
     .venv/bin/python benchmarks/accuracy.py [--seeds 3]
-    .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--out FILE]
+    .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--jobs 2] [--out FILE]
     .venv/bin/python benchmarks/accuracy.py --tables FILE... [--write-docs]   # parts run side by side (merged)
 """
 
@@ -29,13 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -72,6 +82,7 @@ class SuiteGraph:
     path: str  # relative to the datasets folder: a Planetoid folder or an .npz / .zip file
     official_split: bool = True  # .npz: seed i uses split i of its masks; else a stratified 60/20/20 split (seed 0)
     max_seeds: int | None = None  # the largest graphs train fewer seeds (stated in the table)
+    steps: int = 200  # rounds per layer and epochs (the reference's too): fewer on the largest graphs
 
 
 SUITE = (
@@ -81,8 +92,9 @@ SUITE = (
     SuiteGraph("chameleon_filtered", "chameleon_filtered/chameleon_filtered.npz"),
     SuiteGraph("minesweeper", "minesweeper/minesweeper.npz"),
     SuiteGraph("wisconsin", "wisconsin/wisconsin.npz"),
-    SuiteGraph("amazon_computers", "amazon_computers/amazon-computers.zip", official_split=False, max_seeds=1),
-    SuiteGraph("coauthor_cs", "coauthor_cs/coauthor-cs.zip", official_split=False, max_seeds=1),
+    SuiteGraph("amazon_computers", "amazon_computers/amazon-computers.zip", official_split=False, max_seeds=1,
+               steps=100),
+    SuiteGraph("coauthor_cs", "coauthor_cs/coauthor-cs.zip", official_split=False, max_seeds=1, steps=100),
 )
 
 
@@ -98,17 +110,18 @@ def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> Da
 
 
 def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
-               seed: int) -> dict[str, float]:
-    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
-    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600)
+               seed: int, steps: int = 200) -> dict[str, float]:
+    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store),
+    ``steps`` rounds per layer and epochs."""
+    config = TrainConfig(**options, model=model, seed=seed, rounds=steps, epochs=steps, timeout_s=3600)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
 
 
-def reference_once(dataset: DatasetRef, plain: object, model: str, seed: int) -> dict[str, float]:
-    """The plain PyG model, on every core (this table compares accuracy, not time)."""
-    run = pyg_reference(plain, model, 256, 200, seed)
+def reference_once(plain: object, model: str, seed: int, steps: int = 200) -> dict[str, float]:
+    """The plain PyG model for ``steps`` epochs (sparse first-layer input: the same model, faster)."""
+    run = pyg_reference(plain, model, 256, steps, seed, sparse_input=True)
     return {"val": run["val_acc"], "test": run["test_acc"], "mb": 0.0}
 
 
@@ -160,10 +173,11 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
         for variant in variants:
             options = VARIANTS[variant]
             started = time.perf_counter()
-            runs = [reference_once(dataset, plain, model, seed) if options is None
-                    else train_once(store, dataset, partition, options, model, seed)
+            runs = [reference_once(plain, model, seed, graph.steps) if options is None
+                    else train_once(store, dataset, partition, options, model, seed, graph.steps)
                     for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
-            row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
+            row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "steps": graph.steps,
+                   "metric": metric,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
             print(f"  {graph.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
@@ -191,13 +205,14 @@ def score_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: test mean ± std over the seeds (validation mean), graph x model by variant."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
-    lines = ["| graph | model | metric | seeds | " + " | ".join(variants) + " |",
-             "|---|---|---|---|" + "---|" * len(variants)]
+    lines = ["| graph | model | metric | seeds | rounds, epochs | " + " | ".join(variants) + " |",
+             "|---|---|---|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         cells = [f"{spread(by[(graph, model, v)]['test'])} ({statistics.mean(by[(graph, model, v)]['val']):.3f})"
                  if (graph, model, v) in by else "" for v in variants]
         first = next(by[(graph, model, v)] for v in variants if (graph, model, v) in by)
-        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | {first.get('steps', 200)} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 
@@ -248,6 +263,55 @@ def write_docs(rows: list[dict[str, Any]]) -> None:
     write_block(REPO / "docs" / "accuracy.md", "checks", checks_table(rows))
 
 
+def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds: int,
+                  first_seed: int) -> dict[str, int]:
+    """Ingest and partition every graph's datasets for the seeds (so that jobs side by side only
+    read them); graph name -> its node count."""
+    nodes = {}
+    for graph in graphs:
+        for seed in range(first_seed, first_seed + min(seeds, graph.max_seeds or seeds)):
+            dataset = ingest(store, graph, datasets, seed)
+            build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+            nodes[graph.name] = dataset.num_nodes
+    return nodes
+
+
+def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], store_path: Path,
+             folder: Path) -> list[dict[str, Any]]:
+    """Each (graph, model) as a process of this script pinned to one CPU, ``args.jobs`` at a time,
+    the largest first (node count x seeds x steps, GAT twice); their rows, merged."""
+    nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed)
+    seeds = {g.name: min(args.seeds, g.max_seeds or args.seeds) for g in graphs}
+    tasks = sorted(((g, m) for g in graphs for m in models), reverse=True,
+                   key=lambda t: nodes[t[0].name] * seeds[t[0].name] * t[0].steps * (2 if t[1] == "gat" else 1))
+    free = sorted(os.sched_getaffinity(0))[:args.jobs]
+    running: dict[subprocess.Popen, tuple[int, str, Path]] = {}
+    failed = []
+    while tasks or running:
+        while tasks and free:
+            graph, model = tasks.pop(0)
+            name, cpu = f"{graph.name}_{model}", free.pop(0)
+            log = folder / f"{name}.log"
+            command = [sys.executable, __file__, "--suite", "--graphs", graph.name, "--models", model,
+                       "--variants", args.variants, "--seeds", str(args.seeds), "--first-seed", str(args.first_seed),
+                       "--datasets", str(args.datasets), "--store", str(store_path),
+                       "--out", str(folder / f"{name}.json"), "--jobs", "1", "--cpu", str(cpu)]
+            with log.open("w") as out:
+                running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, name, log)
+        time.sleep(1)
+        for process in [p for p in running if p.poll() is not None]:
+            cpu, name, log = running.pop(process)
+            free.append(cpu)
+            lines = log.read_text().splitlines()
+            print("\n".join(line for line in lines if line.startswith("  ")), flush=True)
+            if process.returncode != 0:
+                failed.append(name)
+                print(f"{name} failed (exit {process.returncode}):\n" + "\n".join(lines[-15:]), flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}; the tables below leave them out", flush=True)
+    return merged([row for path in sorted(folder.glob("*.json")) for row in json.loads(path.read_text())])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", action="store_true", help="the development suite instead of Cora alone")
@@ -258,6 +322,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="train seeds FIRST_SEED.. (split FIRST_SEED.. "
                         "of graphs with official splits), e.g. to add seeds to an earlier --out file")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="--suite: (graph, model) pairs run side by side, each a process on its own CPU "
+                        "(default: one per CPU)")
+    parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)  # a job's CPU (set by --jobs)
     parser.add_argument("--store", type=Path, help="store to use (default: a temporary one); runs in it are reused")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--tables", type=Path, nargs="+", help="only print the tables of earlier --out files "
@@ -271,19 +339,22 @@ def main() -> None:
         if args.write_docs:
             write_docs(rows)
         return
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+        torch.set_num_threads(1)
     models, variants = args.models.split(","), args.variants.split(",")
     graphs = [g for g in SUITE if args.graphs is None or g.name in args.graphs.split(",")]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
-        store = Store.open(args.store or Path(tmp) / "store")
-        rows = []
-        for graph in graphs if args.suite else [SUITE[0]]:
-            seeds = min(args.seeds, graph.max_seeds or args.seeds)
-            print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
-            rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
-                            args.first_seed)
-            if args.out:  # after every graph, so that a stopped suite keeps what it measured
+        store_path = args.store or Path(tmp) / "store"
+        if args.suite and args.jobs > 1:
+            rows = run_jobs(args, graphs, models, store_path, Path(tmp))
+            if args.out:
                 args.out.write_text(json.dumps(rows, indent=1))
+        else:
+            rows = measure_all(args, graphs, models, variants, Store.open(store_path))
+    if args.cpu is not None:  # a job of run_jobs: its rows are in --out
+        return
     rows = in_suite_order(rows)
     print_tables(rows)
     if args.write_docs:
@@ -292,6 +363,20 @@ def main() -> None:
         print("\npublished (Retexo README, Cora; centralized model / Retexo): "
               + ", ".join(f"{m} {c:.3f} / {r:.3f}" for m, (c, r) in PUBLISHED.items()))
     print(f"\n{time.perf_counter() - started:.0f} s in all")
+
+
+def measure_all(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], variants: list[str],
+                store: Store) -> list[dict[str, Any]]:
+    """The graphs one after the other in this process (bundled Cora alone without ``--suite``)."""
+    rows = []
+    for graph in graphs if args.suite else [SUITE[0]]:
+        seeds = min(args.seeds, graph.max_seeds or args.seeds)
+        print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
+        rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
+                        args.first_seed)
+        if args.out:  # after every graph, so that a stopped suite keeps what it measured
+            args.out.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":
