@@ -285,7 +285,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
     tasks = sorted(((g, m) for g in graphs for m in models), reverse=True,
                    key=lambda t: nodes[t[0].name] * seeds[t[0].name] * t[0].steps * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
-    running: dict[subprocess.Popen, tuple[int, str, Path]] = {}
+    running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
     failed = []
     while tasks or running:
         while tasks and free:
@@ -297,13 +297,13 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                        "--datasets", str(args.datasets), "--store", str(store_path),
                        "--out", str(folder / f"{name}.json"), "--jobs", "1", "--cpu", str(cpu)]
             with log.open("w") as out:
-                running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, name, log)
+                running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
         time.sleep(1)
         for process in [p for p in running if p.poll() is not None]:
-            cpu, name, log = running.pop(process)
+            cpu, graph_name, name, log = running.pop(process)
             free.append(cpu)
             lines = log.read_text().splitlines()
-            print("\n".join(line for line in lines if line.startswith("  ")), flush=True)
+            print("\n".join(line for line in lines if line.startswith(f"  {graph_name} ")), flush=True)
             if process.returncode != 0:
                 failed.append(name)
                 print(f"{name} failed (exit {process.returncode}):\n" + "\n".join(lines[-15:]), flush=True)
