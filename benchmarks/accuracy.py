@@ -22,9 +22,8 @@ threads of this process (``--launcher threads``: the same bytes and results as p
 
 The suite runs its (graph, model) pairs as ``--jobs`` processes side by side (default: one per
 CPU this process may use), each pinned to its own CPU with one torch thread: on two cores that
-does about twice the work of one process with two threads, since most of the suite's tensors are
-too small for two threads to share. The two largest graphs train one seed with 100 rounds per
-layer and 100 epochs instead of 200 (``SuiteGraph``), so that the suite fits in an hour here.
+does more work than one process with two threads, since most of the suite's tensors are too
+small for two threads to share.
 
     .venv/bin/python benchmarks/accuracy.py [--seeds 3]
     .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--jobs 2] [--out FILE]
@@ -82,7 +81,6 @@ class SuiteGraph:
     path: str  # relative to the datasets folder: a Planetoid folder or an .npz / .zip file
     official_split: bool = True  # .npz: seed i uses split i of its masks; else a stratified 60/20/20 split (seed 0)
     max_seeds: int | None = None  # the largest graphs train fewer seeds (stated in the table)
-    steps: int = 200  # rounds per layer and epochs (the reference's too): fewer on the largest graphs
 
 
 SUITE = (
@@ -92,9 +90,8 @@ SUITE = (
     SuiteGraph("chameleon_filtered", "chameleon_filtered/chameleon_filtered.npz"),
     SuiteGraph("minesweeper", "minesweeper/minesweeper.npz"),
     SuiteGraph("wisconsin", "wisconsin/wisconsin.npz"),
-    SuiteGraph("amazon_computers", "amazon_computers/amazon-computers.zip", official_split=False, max_seeds=1,
-               steps=100),
-    SuiteGraph("coauthor_cs", "coauthor_cs/coauthor-cs.zip", official_split=False, max_seeds=1, steps=100),
+    SuiteGraph("amazon_computers", "amazon_computers/amazon-computers.zip", official_split=False, max_seeds=1),
+    SuiteGraph("coauthor_cs", "coauthor_cs/coauthor-cs.zip", official_split=False, max_seeds=1),
 )
 
 
@@ -110,18 +107,17 @@ def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> Da
 
 
 def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
-               seed: int, steps: int = 200) -> dict[str, float]:
-    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store),
-    ``steps`` rounds per layer and epochs."""
-    config = TrainConfig(**options, model=model, seed=seed, rounds=steps, epochs=steps, timeout_s=3600)
+               seed: int) -> dict[str, float]:
+    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
+    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
 
 
-def reference_once(plain: object, model: str, seed: int, steps: int = 200) -> dict[str, float]:
-    """The plain PyG model for ``steps`` epochs (sparse first-layer input: the same model, faster)."""
-    run = pyg_reference(plain, model, 256, steps, seed, sparse_input=True)
+def reference_once(plain: object, model: str, seed: int) -> dict[str, float]:
+    """The plain PyG model (sparse first-layer input: the same model, faster)."""
+    run = pyg_reference(plain, model, 256, 200, seed, sparse_input=True)
     return {"val": run["val_acc"], "test": run["test_acc"], "mb": 0.0}
 
 
@@ -173,11 +169,10 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
         for variant in variants:
             options = VARIANTS[variant]
             started = time.perf_counter()
-            runs = [reference_once(plain, model, seed, graph.steps) if options is None
-                    else train_once(store, dataset, partition, options, model, seed, graph.steps)
+            runs = [reference_once(plain, model, seed) if options is None
+                    else train_once(store, dataset, partition, options, model, seed)
                     for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
-            row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "steps": graph.steps,
-                   "metric": metric,
+            row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
             print(f"  {graph.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
@@ -205,14 +200,13 @@ def score_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: test mean ± std over the seeds (validation mean), graph x model by variant."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
-    lines = ["| graph | model | metric | seeds | rounds, epochs | " + " | ".join(variants) + " |",
-             "|---|---|---|---|---|" + "---|" * len(variants)]
+    lines = ["| graph | model | metric | seeds | " + " | ".join(variants) + " |",
+             "|---|---|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         cells = [f"{spread(by[(graph, model, v)]['test'])} ({statistics.mean(by[(graph, model, v)]['val']):.3f})"
                  if (graph, model, v) in by else "" for v in variants]
         first = next(by[(graph, model, v)] for v in variants if (graph, model, v) in by)
-        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | {first.get('steps', 200)} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -279,11 +273,11 @@ def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds:
 def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], store_path: Path,
              folder: Path) -> list[dict[str, Any]]:
     """Each (graph, model) as a process of this script pinned to one CPU, ``args.jobs`` at a time,
-    the largest first (node count x seeds x steps, GAT twice); their rows, merged."""
+    the largest first (node count x seeds, GAT twice); their rows, merged."""
     nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed)
     seeds = {g.name: min(args.seeds, g.max_seeds or args.seeds) for g in graphs}
     tasks = sorted(((g, m) for g in graphs for m in models), reverse=True,
-                   key=lambda t: nodes[t[0].name] * seeds[t[0].name] * t[0].steps * (2 if t[1] == "gat" else 1))
+                   key=lambda t: nodes[t[0].name] * seeds[t[0].name] * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
     running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
     failed = []
