@@ -82,6 +82,10 @@ class SuiteGraph:
     official_split: bool = True  # .npz: seed i uses split i of its masks; else a stratified 60/20/20 split (seed 0)
     max_seeds: int | None = None  # the largest graphs train fewer seeds (stated in the table)
 
+    def seeds(self, requested: int) -> int:
+        """How many of the ``requested`` seeds this graph trains."""
+        return min(requested, self.max_seeds or requested)
+
 
 SUITE = (
     SuiteGraph("cora", "cora"),
@@ -263,7 +267,7 @@ def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds:
     read them); graph name -> its node count."""
     nodes = {}
     for graph in graphs:
-        for seed in range(first_seed, first_seed + min(seeds, graph.max_seeds or seeds)):
+        for seed in range(first_seed, first_seed + graph.seeds(seeds)):
             dataset = ingest(store, graph, datasets, seed)
             build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
             nodes[graph.name] = dataset.num_nodes
@@ -275,9 +279,8 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
     """Each (graph, model) as a process of this script pinned to one CPU, ``args.jobs`` at a time,
     the largest first (node count x seeds, GAT twice); their rows, merged."""
     nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed)
-    seeds = {g.name: min(args.seeds, g.max_seeds or args.seeds) for g in graphs}
     tasks = sorted(((g, m) for g in graphs for m in models), reverse=True,
-                   key=lambda t: nodes[t[0].name] * seeds[t[0].name] * (2 if t[1] == "gat" else 1))
+                   key=lambda t: nodes[t[0].name] * t[0].seeds(args.seeds) * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
     running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
     failed = []
@@ -364,7 +367,7 @@ def measure_all(args: argparse.Namespace, graphs: list[SuiteGraph], models: list
     """The graphs one after the other in this process (bundled Cora alone without ``--suite``)."""
     rows = []
     for graph in graphs if args.suite else [SUITE[0]]:
-        seeds = min(args.seeds, graph.max_seeds or args.seeds)
+        seeds = graph.seeds(args.seeds)
         print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
         rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
                         args.first_seed)
