@@ -20,7 +20,7 @@ seeds, the mean megabytes sent, and the issue's inequalities per graph and model
 reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >= retexo - 1.5). Ranks run as
 threads of this process (``--launcher threads``: the same bytes and results as processes).
 
-The suite runs its (graph, model) pairs as ``--jobs`` processes side by side (default: one per
+The suite runs each (graph, model, variant) as one of ``--jobs`` processes side by side (default: one per
 CPU this process may use), each pinned to its own CPU with one torch thread: on two cores that
 does more work than one process with two threads, since most of the suite's tensors are too
 small for two threads to share.
@@ -111,17 +111,17 @@ def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> Da
 
 
 def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
-               seed: int) -> dict[str, float]:
+               seed: int, device: str = "cpu") -> dict[str, float]:
     """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
-    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600)
+    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600, device=device)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
 
 
-def reference_once(plain: object, model: str, seed: int) -> dict[str, float]:
+def reference_once(plain: object, model: str, seed: int, device: str = "cpu") -> dict[str, float]:
     """The plain PyG model (sparse first-layer input: the same model, faster)."""
-    run = pyg_reference(plain, model, 256, 200, seed, sparse_input=True)
+    run = pyg_reference(plain, model, 256, 200, seed, device=device, sparse_input=True)
     return {"val": run["val_acc"], "test": run["test_acc"], "mb": 0.0}
 
 
@@ -155,9 +155,9 @@ def spread(values: list[float]) -> str:
 
 
 def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list[str], variants: list[str],
-            seeds: int, first_seed: int = 0) -> list[dict[str, Any]]:
+            seeds: int, first_seed: int = 0, device: str = "cpu") -> list[dict[str, Any]]:
     """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed
-    (seeds ``first_seed`` ..)."""
+    (seeds ``first_seed`` ..), everything trained on ``device``."""
     rows = []
     inputs = []  # per seed: (dataset, partition, plain PyG data)
     loaded: dict[str, tuple[Any, ...]] = {}  # by dataset fingerprint: seeds that share a split load it once
@@ -173,8 +173,8 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
         for variant in variants:
             options = VARIANTS[variant]
             started = time.perf_counter()
-            runs = [reference_once(plain, model, seed) if options is None
-                    else train_once(store, dataset, partition, options, model, seed)
+            runs = [reference_once(plain, model, seed, device) if options is None
+                    else train_once(store, dataset, partition, options, model, seed, device)
                     for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
             row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
@@ -274,24 +274,25 @@ def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds:
     return nodes
 
 
-def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], store_path: Path,
-             folder: Path) -> list[dict[str, Any]]:
-    """Each (graph, model) as a process of this script pinned to one CPU, ``args.jobs`` at a time,
-    the largest first (node count x seeds, GAT twice); their rows, merged."""
+def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], variants: list[str],
+             store_path: Path, folder: Path) -> list[dict[str, Any]]:
+    """Each (graph, model, variant) as a process of this script pinned to one CPU, ``args.jobs`` at a
+    time, the largest graphs first (node count x seeds, GAT twice); their rows, merged (also written
+    to ``args.out`` after every job, so that a stopped suite keeps what it measured)."""
     nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed)
-    tasks = sorted(((g, m) for g in graphs for m in models), reverse=True,
+    tasks = sorted(((g, m, v) for g in graphs for m in models for v in variants), reverse=True,
                    key=lambda t: nodes[t[0].name] * t[0].seeds(args.seeds) * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
     running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
-    failed = []
+    failed, rows = [], []
     while tasks or running:
         while tasks and free:
-            graph, model = tasks.pop(0)
-            name, cpu = f"{graph.name}_{model}", free.pop(0)
+            graph, model, variant = tasks.pop(0)
+            name, cpu = f"{graph.name}_{model}_{variant.replace(' ', '_').replace('/', '')}", free.pop(0)
             log = folder / f"{name}.log"
             command = [sys.executable, __file__, "--suite", "--graphs", graph.name, "--models", model,
-                       "--variants", args.variants, "--seeds", str(args.seeds), "--first-seed", str(args.first_seed),
-                       "--datasets", str(args.datasets), "--store", str(store_path),
+                       "--variants", variant, "--seeds", str(args.seeds), "--first-seed", str(args.first_seed),
+                       "--datasets", str(args.datasets), "--store", str(store_path), "--device", args.device,
                        "--out", str(folder / f"{name}.json"), "--jobs", "1", "--cpu", str(cpu)]
             with log.open("w") as out:
                 running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
@@ -304,9 +305,13 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
             if process.returncode != 0:
                 failed.append(name)
                 print(f"{name} failed (exit {process.returncode}):\n" + "\n".join(lines[-15:]), flush=True)
+                continue
+            rows += json.loads((folder / f"{name}.json").read_text())
+            if args.out:
+                args.out.write_text(json.dumps(merged(rows), indent=1))
     if failed:
         print(f"failed: {', '.join(failed)}; the tables below leave them out", flush=True)
-    return merged([row for path in sorted(folder.glob("*.json")) for row in json.loads(path.read_text())])
+    return merged(rows)
 
 
 def main() -> None:
@@ -320,8 +325,10 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0, help="train seeds FIRST_SEED.. (split FIRST_SEED.. "
                         "of graphs with official splits), e.g. to add seeds to an earlier --out file")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
-                        help="--suite: (graph, model) pairs run side by side, each a process on its own CPU "
-                        "(default: one per CPU)")
+                        help="--suite: (graph, model, variant) jobs run side by side, each a process on its own "
+                        "CPU (default: one per CPU)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where every model trains, the reference's too (cuda: all jobs share the GPU)")
     parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)  # a job's CPU (set by --jobs)
     parser.add_argument("--store", type=Path, help="store to use (default: a temporary one); runs in it are reused")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
@@ -345,9 +352,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store_path = args.store or Path(tmp) / "store"
         if args.suite and args.jobs > 1:
-            rows = run_jobs(args, graphs, models, store_path, Path(tmp))
-            if args.out:
-                args.out.write_text(json.dumps(rows, indent=1))
+            rows = run_jobs(args, graphs, models, variants, store_path, Path(tmp))
         else:
             rows = measure_all(args, graphs, models, variants, Store.open(store_path))
     if args.cpu is not None:  # a job of run_jobs: its rows are in --out
@@ -370,7 +375,7 @@ def measure_all(args: argparse.Namespace, graphs: list[SuiteGraph], models: list
         seeds = graph.seeds(args.seeds)
         print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
         rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
-                        args.first_seed)
+                        args.first_seed, args.device)
         if args.out:  # after every graph, so that a stopped suite keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
     return rows
