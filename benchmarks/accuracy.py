@@ -177,6 +177,7 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
                     else train_once(store, dataset, partition, options, model, seed, device)
                     for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
             row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
+                   "device": device,
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
             print(f"  {graph.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "
@@ -200,23 +201,31 @@ def checks(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def present(rows: list[dict[str, Any]]) -> list[str]:
+    """The variants of ``rows``, in ``VARIANTS`` order."""
+    return [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+
+
 def score_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: test mean ± std over the seeds (validation mean), graph x model by variant."""
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    """Markdown lines: test mean ± std over the seeds (validation mean), graph x model by variant,
+    and where the pair trained (``--device``; rows written before it existed trained on the CPU)."""
+    variants = present(rows)
     by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
-    lines = ["| graph | model | metric | seeds | " + " | ".join(variants) + " |",
-             "|---|---|---|---|" + "---|" * len(variants)]
+    lines = ["| graph | model | metric | seeds | " + " | ".join(variants) + " | device |",
+             "|---|---|---|---|" + "---|" * (len(variants) + 1)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         cells = [f"{spread(by[(graph, model, v)]['test'])} ({statistics.mean(by[(graph, model, v)]['val']):.3f})"
                  if (graph, model, v) in by else "" for v in variants]
-        first = next(by[(graph, model, v)] for v in variants if (graph, model, v) in by)
-        lines.append(f"| {graph} | {model} | {first['metric']} | {first['seeds']} | " + " | ".join(cells) + " |")
+        pair = [by[(graph, model, v)] for v in variants if (graph, model, v) in by]
+        devices = ", ".join(sorted({r.get("device", "cpu") for r in pair}))
+        lines.append(f"| {graph} | {model} | {pair[0]['metric']} | {pair[0]['seeds']} | " + " | ".join(cells)
+                     + f" | {devices} |")
     return lines
 
 
 def bytes_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: MB sent, mean over the seeds, graph x model by variant (the reference sends none)."""
-    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "reference"]
+    variants = [v for v in present(rows) if v != "reference"]
     by = {(r["graph"], r["model"], r["variant"]): r for r in rows}
     lines = ["| graph | model | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
