@@ -20,10 +20,11 @@ seeds, the mean megabytes sent, and the issue's inequalities per graph and model
 reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >= retexo - 1.5). Ranks run as
 threads of this process (``--launcher threads``: the same bytes and results as processes).
 
-The suite runs each (graph, model, variant) as one of ``--jobs`` processes side by side (default: one per
-CPU this process may use), each pinned to its own CPU with one torch thread: on two cores that
-does more work than one process with two threads, since most of the suite's tensors are too
-small for two threads to share.
+The suite runs each (graph, model, variant) as one of ``--jobs`` processes side by side (default:
+one per CPU this process may use), each pinned to its own CPU with one torch thread: on two cores
+that does more work than one process with two threads, since most of the suite's tensors are too
+small for two threads to share. ``--device cuda`` trains the reference and every variant on the GPU
+(the jobs share it).
 
     .venv/bin/python benchmarks/accuracy.py [--seeds 3]
     .venv/bin/python benchmarks/accuracy.py --suite [--seeds 3] [--graphs cora,actor] [--models gcn] [--jobs 2] [--out FILE]
@@ -113,7 +114,7 @@ def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> Da
 def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
                seed: int, device: str = "cpu") -> dict[str, float]:
     """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
-    config = TrainConfig(**options, model=model, seed=seed, timeout_s=3600, device=device)
+    config = TrainConfig(**options, model=model, seed=seed, device=device, timeout_s=3600)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
