@@ -387,6 +387,21 @@ def test_a_sent_payload_is_a_copy_the_sender_may_overwrite() -> None:
     assert got.tolist() == [0, 1, 2, 3, 4]
 
 
+def test_thread_all_reduce_shares_no_memory_with_its_input_or_the_other_ranks_results() -> None:
+    """The all-reduce hands its payloads over uncopied; what it returns is still every rank's own."""
+    def reduce_then_write(comm: Communicator) -> list[float]:
+        mine = torch.full((7,), float(comm.rank + 1))
+        total = comm.all_reduce(mine, "grad_sync")
+        mine.fill_(100.0)  # the caller writes its input again
+        comm.barrier_uncounted()
+        total += comm.rank  # and each rank its result
+        comm.barrier_uncounted()
+        return total.tolist()
+
+    results = run_threads(reduce_then_write, 3)
+    assert [value for value, _ in results] == [[6.0 + rank] * 7 for rank in range(3)]
+
+
 # --------------------------------------------------------------------------- a single rank, rejoin
 
 

@@ -26,7 +26,7 @@ from retexo_core.comm.codec import Compression, decode, encode, encoded_nbytes, 
 from retexo_core.comm.log import COMPRESSIBLE, CommLog
 from retexo_core.comm.network import NetworkModel
 from retexo_core.comm.secure_agg import MASKED_KINDS, PairwiseMasks, from_fixed, to_fixed
-from retexo_core.comm.transport import GlooTransport, Transport
+from retexo_core.comm.transport import GlooTransport, ThreadTransport, Transport
 from retexo_core.device import CPU, to_host
 
 
@@ -102,10 +102,14 @@ class Communicator:
         return self.transport
 
     def _all_to_all(self, payloads: list[torch.Tensor], recv_sizes: list[int], kind: str,
-                    what: str = "exchange") -> list[torch.Tensor]:
-        """Move uint8 ``payloads[j]`` to rank j; returns what each rank j sent us (``recv_sizes[j]`` B)."""
+                    what: str = "exchange", copy: bool = True) -> list[torch.Tensor]:
+        """Move uint8 ``payloads[j]`` to rank j; returns what each rank j sent us (``recv_sizes[j]`` B).
+        ``copy`` False: this rank writes no payload before its receiver has read it, so the thread
+        transport hands them over uncopied."""
         transport = self._transport()
         try:
+            if not copy and isinstance(transport, ThreadTransport):
+                return transport.all_to_all(payloads, recv_sizes, self.timeout, copy=False)
             return transport.all_to_all(payloads, recv_sizes, self.timeout)
         except RuntimeError as exc:
             raise self._fail(f"{kind} {what}", exc) from exc
@@ -218,14 +222,17 @@ class Communicator:
         nothing = torch.empty(0, dtype=torch.uint8)
         scatter = [encode(c, codec) if j != self.rank else nothing for j, c in enumerate(chunks)]
         mine = encoded_nbytes(shapes[self.rank], dtype, codec)
-        got = self._all_to_all(scatter, [mine if j != self.rank else 0 for j in range(self.world)], kind, "all-reduce")
+        # uncopied payloads: every receiver has read this rank's chunks before it sends its sum (so
+        # before this call returns), and the sums are never written again
+        got = self._all_to_all(scatter, [mine if j != self.rank else 0 for j in range(self.world)], kind, "all-reduce",
+                               copy=False)
         total = torch.zeros(shapes[self.rank], dtype=dtype)
         for j in range(self.world):
             total += chunks[j] if j == self.rank else decode(got[j], shapes[self.rank], dtype, codec)
         reduced = encode(total, codec)
         sizes = [encoded_nbytes(shapes[j], dtype, codec) if j != self.rank else 0 for j in range(self.world)]
         gathered = self._all_to_all([reduced if j != self.rank else nothing for j in range(self.world)], sizes, kind,
-                                    "all-reduce")
+                                    "all-reduce", copy=False)
         out = [decode(reduced if j == self.rank else gathered[j], shapes[j], dtype, codec) for j in range(self.world)]
         sent = {j: scatter[j].numel() + reduced.numel() for j in range(self.world) if j != self.rank}
         self._finish(op, kind, {j: b for j, b in sent.items() if b}, hops=2)

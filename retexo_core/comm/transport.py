@@ -8,7 +8,8 @@ The communicator encodes, counts and logs; a transport only moves bytes. Two imp
 * ``ThreadTransport``: one rank per thread of a single process, all sharing a ``ThreadHub``. Every
   ordered pair (src, dst) has a FIFO mailbox; since every rank issues the same sequence of
   operations (SPMD), the n-th message from src to dst is the one dst's n-th operation expects.
-  Payloads are copied when sent, so ranks never share memory one of them later writes.
+  Payloads are copied when sent, so ranks never share memory one of them later writes (the
+  all-reduce, whose protocol guarantees that, hands its payloads over uncopied).
 
 Every wait honours a timeout and names the rank it waited for; ``ThreadHub.abort`` wakes every
 waiting thread at once (used when a rank's thread dies, so its peers need not wait out the timeout).
@@ -112,7 +113,8 @@ class ThreadHub:
         if world < 1:
             raise ValueError(f"a hub needs at least one rank, got world={world}")
         self.world = world
-        self._condition = threading.Condition()
+        self._lock = threading.Lock()
+        self._arrived = [threading.Condition(self._lock) for _ in range(world)]  # one per receiving rank
         self._boxes: dict[tuple[int, int], deque[_Message]] = {
             (src, dst): deque() for src in range(world) for dst in range(world)
         }
@@ -132,21 +134,25 @@ class ThreadHub:
     def abort(self, reason: str) -> None:
         """Wake every waiting rank with ``RuntimeError(reason)``; every later operation fails at
         once with the same error. The first reason given is kept."""
-        with self._condition:
+        with self._lock:
             if self._aborted is None:
                 self._aborted = reason
-            self._condition.notify_all()
+            for arrived in self._arrived:
+                arrived.notify_all()
 
-    def put(self, src: int, dst: int, op: str, payload: torch.Tensor) -> None:
-        """Queue a copy of ``payload`` ((n,) uint8) from ``src`` for ``dst``; never blocks."""
+    def put(self, src: int, dst: int, op: str, payload: torch.Tensor, copy: bool = True) -> None:
+        """Queue ``payload`` ((n,) uint8) from ``src`` for ``dst``: a copy of it, or with ``copy``
+        False the tensor itself, which the sender must not write before ``dst`` has read it;
+        never blocks."""
         if payload.dtype != torch.uint8:
             raise ValueError(f"rank {src}: payloads are uint8, got {payload.dtype}")
-        message = _Message(op, payload.detach().reshape(-1).clone())
-        with self._condition:
+        payload = payload.detach().reshape(-1)
+        message = _Message(op, payload.clone() if copy else payload)
+        with self._lock:
             if self._aborted is not None:
                 raise RuntimeError(self._aborted)
             self._boxes[(src, dst)].append(message)
-            self._condition.notify_all()
+            self._arrived[dst].notify()
 
     def take(self, dst: int, sources: list[int], op: str, sizes: list[int], timeout: timedelta) -> list[torch.Tensor]:
         """The next message from each of ``sources`` to ``dst`` (one per source, in that order),
@@ -156,7 +162,7 @@ class ThreadHub:
         """
         seconds = timeout.total_seconds()
         deadline = time.monotonic() + seconds
-        with self._condition:
+        with self._lock:
             while True:
                 if self._aborted is not None:
                     raise RuntimeError(self._aborted)
@@ -168,7 +174,7 @@ class ThreadHub:
                     names = ", ".join(map(str, missing))
                     raise RuntimeError(f"rank {dst} waited {seconds:g} s for rank{'s' if len(missing) > 1 else ''} "
                                        f"{names} ({op})")
-                self._condition.wait(remaining)
+                self._arrived[dst].wait(remaining)
             messages = [self._boxes[(src, dst)].popleft() for src in sources]
         for src, size, message in zip(sources, sizes, messages):
             if message.op != op:
@@ -191,7 +197,10 @@ class ThreadTransport:
         self.hub = hub
         self.rank = rank
 
-    def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], timeout: timedelta) -> list[torch.Tensor]:
+    def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], timeout: timedelta,
+                   copy: bool = True) -> list[torch.Tensor]:
+        """``Transport.all_to_all``; with ``copy`` False the payloads are handed over uncopied, for
+        a caller that does not write them before every receiver has read them (``put``)."""
         world = self.hub.world
         if len(send) != world or len(recv_sizes) != world:
             raise ValueError(f"rank {self.rank}: all_to_all needs {world} payloads and sizes, "
@@ -201,7 +210,7 @@ class ThreadTransport:
                                f"sent itself {send[self.rank].numel()} B")
         peers = [j for j in range(world) if j != self.rank]
         for j in peers:
-            self.hub.put(self.rank, j, "all_to_all", send[j])
+            self.hub.put(self.rank, j, "all_to_all", send[j], copy)
         received = self.hub.take(self.rank, peers, "all_to_all", [recv_sizes[j] for j in peers], timeout)
         out = dict(zip(peers, received))
         out[self.rank] = send[self.rank].detach().reshape(-1).clone()

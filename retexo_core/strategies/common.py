@@ -159,11 +159,11 @@ def flat_grads(module: nn.Module) -> torch.Tensor:
 
 def sync_gradients(comm: Communicator, module: nn.Module) -> None:
     """Sum gradients over ranks (one ring all-reduce of all parameters, kind ``grad_sync``)."""
-    total = comm.all_reduce(flat_grads(module), "grad_sync")
+    total = comm.all_reduce(flat_grads(module), "grad_sync")  # a new tensor: its slices become the grads
     offset = 0
     for p in module.parameters():
         count = p.numel()
-        p.grad = total[offset:offset + count].reshape(p.shape).clone()
+        p.grad = total[offset:offset + count].view(p.shape)
         offset += count
 
 
