@@ -100,13 +100,14 @@ class GlooTransport:
 @dataclass(frozen=True)
 class _Message:
     op: str  # the operation that sent it: "all_to_all" or "barrier"
-    payload: torch.Tensor  # (n,) uint8, owned by the mailbox (a copy of what was sent)
+    payload: torch.Tensor  # (n,) uint8: a copy of what was sent (or, sent uncopied, the sender's tensor)
 
 
 class ThreadHub:
     """Mailboxes shared by the ``world`` threads of one process that act as ranks 0..world-1.
 
-    One FIFO queue per ordered pair (src, dst), guarded by one condition variable.
+    One FIFO queue per ordered pair (src, dst), all guarded by one lock; a message wakes only its
+    receiver (one condition per receiving rank), not every waiting rank.
     """
 
     def __init__(self, world: int) -> None:
