@@ -187,17 +187,27 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
     return rows
 
 
+def paired_gap(left: list[float], right: list[float]) -> tuple[float, float | None]:
+    """Points of ``left`` minus ``right``, seed by seed (the same split and partition): their mean,
+    and the standard error of that mean (None for one seed)."""
+    gaps = [100 * (a - b) for a, b in zip(left, right, strict=True)]
+    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
+    return statistics.mean(gaps), error
+
+
 def checks(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's inequalities per graph and model, on test means, in points."""
-    mean = {(r["graph"], r["model"], r["variant"]): 100 * statistics.mean(r["test"]) for r in rows}
+    """The issue's inequalities per graph and model, on test means, in points: the mean of the
+    paired per-seed gaps (equal to the gap of the means) ± its standard error."""
+    test = {(r["graph"], r["model"], r["variant"]): r["test"] for r in rows}
     rules = (("centralized", "reference", -0.5), ("retexo", "centralized", -1.0), ("retexo avg/5 int8", "retexo", -1.5))
     lines = []
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         parts = []
         for left, right, slack in rules:
-            if (graph, model, left) in mean and (graph, model, right) in mean:
-                gap = mean[(graph, model, left)] - mean[(graph, model, right)]
-                parts.append(f"{left} − {right} {gap:+.1f} {'ok' if gap >= slack else 'FAILS'}")
+            if (graph, model, left) in test and (graph, model, right) in test:
+                gap, error = paired_gap(test[(graph, model, left)], test[(graph, model, right)])
+                spread_ = "" if error is None else f" ± {error:.1f}"
+                parts.append(f"{left} − {right} {gap:+.1f}{spread_} {'ok' if gap >= slack else 'FAILS'}")
         lines.append(f"| {graph} | {model} | " + " | ".join(parts) + " |")
     return lines
 
@@ -246,7 +256,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
     print("\n".join(score_table(rows)))
     print("\nMB sent (mean over the seeds)\n")
     print("\n".join(bytes_table(rows)))
-    print("\nChecks (test means, points)\n")
+    print("\nChecks (test means, points; ± the standard error of the per-seed gaps)\n")
     print("\n".join(checks_table(rows)))
 
 

@@ -1,0 +1,35 @@
+"""The suite's checks table (``benchmarks/accuracy.py``): gaps in points, paired seed by seed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from processes import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from accuracy import checks, paired_gap  # noqa: E402
+
+
+def test_paired_gap_is_the_gap_of_the_means_with_the_standard_error_of_the_per_seed_gaps():
+    gap, error = paired_gap([0.80, 0.70, 0.75], [0.78, 0.71, 0.72])  # per seed: +2, -1, +3 points
+    assert gap == pytest.approx(4 / 3)
+    assert error == pytest.approx((((2 - 4 / 3) ** 2 + (-1 - 4 / 3) ** 2 + (3 - 4 / 3) ** 2) / 2) ** 0.5 / 3 ** 0.5)
+    assert paired_gap([0.9], [0.8]) == (pytest.approx(10.0), None)
+    with pytest.raises(ValueError):
+        paired_gap([0.9, 0.8], [0.8])  # seeds must pair up
+
+
+def test_checks_mark_a_gap_below_its_limit_and_omit_the_error_for_one_seed():
+    def row(graph: str, variant: str, test: list[float]) -> dict[str, object]:
+        return {"graph": graph, "model": "gcn", "variant": variant, "test": test}
+
+    rows = [row("a", "reference", [0.80, 0.82]), row("a", "centralized", [0.80, 0.80]),
+            row("a", "retexo", [0.78, 0.79]),
+            row("b", "reference", [0.50]), row("b", "centralized", [0.51])]
+    lines = checks(rows)
+    assert lines == [
+        "| a | gcn | centralized − reference -1.0 ± 1.0 FAILS | retexo − centralized -1.5 ± 0.5 FAILS |",
+        "| b | gcn | centralized − reference +1.0 ok |",
+    ]
