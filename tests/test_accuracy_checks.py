@@ -21,15 +21,17 @@ def test_paired_gap_is_the_gap_of_the_means_with_the_standard_error_of_the_per_s
         paired_gap([0.9, 0.8], [0.8])  # seeds must pair up
 
 
-def test_checks_mark_a_gap_below_its_limit_and_omit_the_error_for_one_seed():
+def test_checks_mark_a_gap_below_its_limit_and_omit_the_error_for_one_seed_or_unpaired_seeds():
     def row(graph: str, variant: str, test: list[float]) -> dict[str, object]:
         return {"graph": graph, "model": "gcn", "variant": variant, "test": test}
 
     rows = [row("a", "reference", [0.80, 0.82]), row("a", "centralized", [0.80, 0.80]),
             row("a", "retexo", [0.78, 0.79]),
-            row("b", "reference", [0.50]), row("b", "centralized", [0.51])]
+            row("b", "reference", [0.50]), row("b", "centralized", [0.51]),
+            row("c", "reference", [0.50, 0.60, 0.70]), row("c", "centralized", [0.62])]  # parts of unequal seeds
     lines = checks(rows)
     assert lines == [
         "| a | gcn | centralized − reference -1.0 ± 1.0 FAILS | retexo − centralized -1.5 ± 0.5 FAILS |",
         "| b | gcn | centralized − reference +1.0 ok |",
+        "| c | gcn | centralized − reference +2.0 ok |",
     ]
