@@ -80,6 +80,11 @@ class TrainConfig(BaseModel):
         None, "recipe auto, layer-wise: rounds each alternative recipe trains before the best one so far goes on to "
         "the layer's full rounds (default: 50 for task node; 20 for task link, so that the search's gradient "
         "sync stays within the halo traffic it saves).", scope="layer", strategies=LAYERWISE, ge=1)
+    recipe_margin: float = option(
+        0.0, "recipe search: an alternative replaces the kept recipe only when it classifies more validation nodes "
+        "right by more than this many standard errors of that paired difference (sqrt of the nodes the two "
+        "disagree on); 0: any higher validation accuracy. ROC-AUC (two classes) and link scores: any higher "
+        "score. See docs/accuracy.md, the search margin.", scope="layer", ge=0)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)

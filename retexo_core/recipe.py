@@ -16,8 +16,10 @@ knob               values tried (the start value first)  config fields it sets
 
 The search is greedy, one knob after the other in that order (coordinate ascent): the start
 recipe is the configured one; each alternative value of a knob trains from the same initial
-parameters with every other knob at its best value so far, and replaces it only when its
-validation score is strictly higher (the earlier candidate wins ties). Layer-wise training
+parameters with every other knob at its best value so far, and replaces it when it classifies
+more validation nodes right, by more than ``--recipe-margin`` standard errors of that paired
+difference (``GreedySearch.replaces``; the default margin 0 takes any higher accuracy, and the
+earlier candidate wins ties). Layer-wise training
 searches every layer on its own, from the inputs of its single halo exchange, so the search
 costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is
 searched as a whole (``features`` and, for ``centralized``, every knob). ``features`` is only
@@ -36,6 +38,7 @@ A recipe file (``--recipe FILE``) is what a searched run stores as ``recipe.json
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,7 +119,7 @@ def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative
         return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
     full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph)
     names = searched_knobs(config, layer, nonnegative=nonnegative, full=full, end_to_end=end_to_end)
-    return GreedySearch(start, names, layer=layer, end_to_end=end_to_end)
+    return GreedySearch(start, names, layer=layer, end_to_end=end_to_end, margin=config.recipe_margin)
 
 
 def alternatives(name: str, current: Any, *, layer: int, end_to_end: bool) -> list[Any]:
@@ -130,15 +133,19 @@ def alternatives(name: str, current: Any, *, layer: int, end_to_end: bool) -> li
 class GreedySearch:
     """The greedy knob-by-knob search of one layer (or one end-to-end model).
 
-    ``next()`` gives the next candidate to train (None when done); ``report(score)`` its
-    validation score. ``best`` is the recipe kept so far, ``tried`` every candidate and score."""
+    ``next()`` gives the next candidate to train (None when done); ``report(score, paired)`` its
+    validation score and how it compares with the kept one node by node. ``best`` is the recipe
+    kept so far, ``tried`` every candidate, score and comparison. ``margin``: in standard errors
+    (``replaces``)."""
 
-    def __init__(self, start: dict[str, Any], names: list[str], *, layer: int, end_to_end: bool):
+    def __init__(self, start: dict[str, Any], names: list[str], *, layer: int, end_to_end: bool,
+                 margin: float = 0.0):
         self.plan: list[tuple[str, Any]] = [(n, v) for n in names
                                             for v in alternatives(n, start[n], layer=layer, end_to_end=end_to_end)]
+        self.margin = margin
         self.best = Candidate(dict(start))
         self.best_score = -float("inf")
-        self.tried: list[tuple[Candidate, float]] = []
+        self.tried: list[tuple[Candidate, float, tuple[int, int] | None]] = []
         self._pending: Candidate | None = self.best
         self._step = 0
 
@@ -157,22 +164,38 @@ class GreedySearch:
         self._pending = Candidate({**self.best.knobs, name: value})
         return self._pending
 
-    def report(self, score: float) -> bool:
-        """Record the pending candidate's score; True when it is the new best."""
+    def report(self, score: float, paired: tuple[int, int] | None = None) -> bool:
+        """Record the pending candidate's best validation score and, where that is an accuracy,
+        ``paired``: (gained, lost), the validation nodes it classifies right and the kept one
+        wrong, and the reverse (``common.paired_counts``; None for the first candidate). True
+        when it is the new best."""
         candidate, self._pending = self._pending, None
         assert candidate is not None
-        self.tried.append((candidate, score))
-        if score > self.best_score:
+        self.tried.append((candidate, score, paired))
+        if len(self.tried) == 1 or self.replaces(score, paired):
             self.best, self.best_score = candidate, score
             return True
         return False
 
+    def replaces(self, score: float, paired: tuple[int, int] | None) -> bool:
+        """Whether a candidate replaces the kept one: by accuracy, when it classifies more
+        validation nodes right by more than ``margin`` standard errors of that paired difference,
+        gained - lost > margin * sqrt(gained + lost) (McNemar's statistic; with margin 0, any
+        higher accuracy); by another score (ROC-AUC, the link task's), when it is higher."""
+        if paired is None:
+            return score > self.best_score
+        gained, lost = paired
+        return gained - lost > self.margin * math.sqrt(gained + lost)
+
     def choice(self) -> dict[str, Any]:
         """What the layer manifest stores: the knobs the kept model trained with and, after a
-        search, every candidate's validation score in the order they trained."""
+        search, every candidate's validation score (and its paired counts against the recipe
+        kept when it trained) in the order they trained."""
         if len(self.tried) < 2:
             return self.best.describe()
-        return {**self.best.describe(), "val_scores": [{**c.describe(), "val": s} for c, s in self.tried]}
+        return {**self.best.describe(),
+                "val_scores": [{**c.describe(), "val": s, **({} if p is None else {"gained": p[0], "lost": p[1]})}
+                               for c, s, p in self.tried]}
 
 
 def run_recipe(layer_choices: dict[int, dict[str, Any]]) -> dict[str, Any]:

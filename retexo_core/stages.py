@@ -25,7 +25,7 @@ from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
 from retexo_core.halo import VIEWS
 from retexo_core.models import Features
 from retexo_core.results import LayerSummary, ResultSink
-from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context
+from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
 from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import apply_knobs, search_for
@@ -165,9 +165,9 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
-    keeping the one with the best validation score (the earlier on ties); every candidate's
-    traffic is in the log. Returns the evaluation context, the kept result and the choice (empty
-    without a search)."""
+    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties); every
+    candidate's traffic is in the log. Returns the evaluation context, the kept result and the
+    choice (empty without a search)."""
     search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
     total = search.size * ctx.config.epochs
     kept: tuple[WorkerContext, EndToEndResult] | None = None
@@ -184,7 +184,10 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
                                    progress=(len(search.tried) * ctx.config.epochs, total))
         eval_ctx, result = mine.config.strategy_spec.load_trainer()(mine, sink, refresh)
         epochs, seconds = epochs + result.epochs, seconds + result.loop_seconds
-        if search.report(result.best_val):
+        paired = None
+        if kept is not None and result.val_hits is not None and kept[1].val_hits is not None:
+            paired = paired_counts(ctx.comm, result.val_hits, kept[1].val_hits)
+        if search.report(result.best_val, paired):
             kept = (eval_ctx, result)
     assert kept is not None
     chosen = search.choice()

@@ -1,15 +1,18 @@
 """``--normalize-features auto``: the recipe chosen on validation.
 
 Layer-wise training trains layer 1 on raw and on row-normalised features from its one halo
-exchange and keeps the better on validation; end-to-end strategies train the whole model on each. On Cora (non-negative bag-of-words, 4 random parts, ranks as threads): the chosen
-candidate is exactly the run with that normalisation fixed (the same embeddings bit for bit, so
-the search is deterministic for a seed), and its bytes are the fixed run's plus one more layer-1 candidate's
-gradient and validation traffic, nothing more: no second halo exchange.
+exchange and keeps the one that wins on validation by the search's margin (``--recipe-margin``);
+end-to-end strategies train the whole model on each. On Cora (non-negative bag-of-words, 4 random
+parts, ranks as threads): the chosen candidate is exactly the run with that normalisation fixed
+(the same embeddings bit for bit, so the search is deterministic for a seed), and its bytes are
+the fixed run's plus one more layer-1 candidate's gradient and validation traffic and one paired
+comparison, nothing more: no second halo exchange.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pyarrow.parquet as pq
 import pytest
@@ -21,11 +24,15 @@ from training_helpers import comm_log, params, small_config, train
 PARTS = 4
 HIDDEN = 8
 CLASSES = 7
+CORA_VAL = 500  # validation nodes of Cora's public split
 
 
 def ring(nbytes: int) -> int:
     """Bytes all ranks together send for a ring all-reduce of ``nbytes``."""
     return 2 * (PARTS - 1) * nbytes
+
+
+PAIRED = ring(8 * 2)  # an alternative against the kept candidate: (gained, lost), float64
 
 
 def layer_manifest(plan, layer: int) -> dict:
@@ -42,13 +49,15 @@ def searched(cora):
     return runs, rounds
 
 
-def test_layer_1_keeps_the_candidate_with_the_better_validation_score(searched) -> None:
+def test_layer_1_keeps_the_candidate_that_wins_on_validation_by_the_margin(searched) -> None:
     runs, _ = searched
     recipe = layer_manifest(runs["auto"], 1)["recipe"]
     scores = {c["features"]: c["val"] for c in recipe["val_scores"]}
     fixed = {mode: layer_manifest(runs[mode], 1)["best_val"] for mode in ("none", "rows")}
     assert scores == fixed
-    best = "rows" if scores["rows"] > scores["none"] else "none"  # the default (none) wins ties
+    gained, lost = recipe["val_scores"][1]["gained"], recipe["val_scores"][1]["lost"]
+    assert gained - lost == round((scores["rows"] - scores["none"]) * CORA_VAL)  # nodes, paired at the best rounds
+    best = "rows" if gained - lost > 0 else "none"  # margin 0 (the default): any higher accuracy; none wins ties
     assert recipe["features"] == best
     assert "val_scores" not in layer_manifest(runs["auto"], 2)["recipe"]  # later layers have one candidate
     chosen = runs[best].store.run_dir(runs[best].run_fp)
@@ -68,7 +77,7 @@ def test_the_search_costs_one_more_candidate_of_gradients_and_validation_and_no_
     assert auto["halo_features"] == fixed["halo_features"]
     assert auto["halo_embeddings"] == fixed["halo_embeddings"]
     assert auto["grad_sync"] - fixed["grad_sync"] == rounds[0] * ring(4 * p1)
-    assert auto["control"] - fixed["control"] == rounds[0] * split_stats
+    assert auto["control"] - fixed["control"] == rounds[0] * split_stats + PAIRED
 
 
 def test_an_end_to_end_strategy_keeps_the_whole_model_trained_with_the_better_normalisation(cora) -> None:
@@ -79,7 +88,9 @@ def test_an_end_to_end_strategy_keeps_the_whole_model_trained_with_the_better_no
     scores = {c["features"]: c["val"] for c in recipe["val_scores"]}
     assert scores == {mode: layer_manifest(runs[mode], 1)["best_val"] for mode in ("none", "rows")}
     chosen = recipe["features"]
-    assert chosen == ("rows" if scores["rows"] > scores["none"] else "none")
+    gained, lost = recipe["val_scores"][1]["gained"], recipe["val_scores"][1]["lost"]
+    assert gained - lost == round((scores["rows"] - scores["none"]) * CORA_VAL)
+    assert chosen == ("rows" if gained - lost > 0 else "none")
     for layer in (1, 2):
         assert layer_manifest(runs["auto"], layer)["recipe"] == recipe
     for layer in (1, 2):
@@ -101,15 +112,15 @@ def candidate_module(knobs: dict, in_dim: int, out_dim: int, last: bool) -> Laye
 
 @pytest.fixture(scope="module")
 def auto_runs(cora, tmp_path_factory):
-    """Retexo on Cora with the whole search, twice in two stores (the same seed), and once with the
-    searched run's recipe.json as a recipe file."""
+    """Retexo on Cora with the whole search (margin 1), twice in two stores (the same seed), and
+    once with the searched run's recipe.json as a recipe file."""
     from graphstore.layout import Store
     from graphstore.ingest.api import ingest_planetoid
     from graphstore.partition.build import build_partition
     from graphstore.partition.methods import PartitionOptions
     from conftest import CORA_DIR
 
-    config = small_config(hidden=HIDDEN, rounds=[5, 4], recipe="auto", recipe_screen=SCREEN)
+    config = small_config(hidden=HIDDEN, rounds=[5, 4], recipe="auto", recipe_screen=SCREEN, recipe_margin=1.0)
     first = train(cora.store, cora.dataset, cora.partitions["random"], config)
     other = Store.open(tmp_path_factory.mktemp("again") / "store")
     dataset = ingest_planetoid(other, CORA_DIR, "cora")
@@ -132,24 +143,27 @@ def test_the_search_is_deterministic_for_a_seed(auto_runs) -> None:
     assert comm_log(first) == comm_log(again)
 
 
-def test_the_search_tries_every_knob_in_turn_and_keeps_a_strictly_better_one(auto_runs) -> None:
+def test_the_search_tries_every_knob_in_turn_and_keeps_one_better_by_the_margin(auto_runs) -> None:
     first, _, _, _ = auto_runs
     recipe = layer_manifest(first, 1)["recipe"]
     tried = recipe["val_scores"]
+    scores = ("val", "gained", "lost")
     # start (small_config: dropout 0, lr 0.05), then features, skip, norm, dropout x2, lr x2 (layer 1 keeps its decay)
-    assert [sorted(k for k in t if k != "val" and t[k] != tried[0][k]) for t in tried][:2] == [[], ["features"]]
+    assert [sorted(k for k in t if k not in scores and t[k] != tried[0][k]) for t in tried][:2] == [[], ["features"]]
     assert len(tried) == 8
-    best, best_val = tried[0], tried[0]["val"]
-    for t in tried[1:]:
-        if t["val"] > best_val:
-            best, best_val = t, t["val"]
-    assert {k: recipe[k] for k in best if k != "val"} == {k: v for k, v in best.items() if k != "val"}
+    best = tried[0]
+    for t in tried[1:]:  # each against the one kept when it trained
+        assert t["gained"] - t["lost"] == round((t["val"] - best["val"]) * CORA_VAL)
+        if t["gained"] - t["lost"] > math.sqrt(t["gained"] + t["lost"]):
+            best = t
+    assert {k: recipe[k] for k in best if k not in scores} == {k: v for k, v in best.items() if k not in scores}
     assert len(layer_manifest(first, 2)["recipe"]["val_scores"]) == 1 + 1 + 1 + 2 + 2  # skip, decay, dropout, lr
 
 
 def test_the_search_bytes_are_the_analytic_count(auto_runs) -> None:
     """Halo traffic of one exchange per layer; gradients and validation of every round every
-    candidate trained: ``recipe_screen`` rounds each, and the kept one the layer's full rounds."""
+    candidate trained: ``recipe_screen`` rounds each, and the kept one the layer's full rounds;
+    one paired comparison per alternative."""
     first, _, fixed, rounds = auto_runs
     searched = comm_log(first)
     split_stats = ring(8 * 9)  # every round validates (eval_every 1)
@@ -161,7 +175,7 @@ def test_the_search_bytes_are_the_analytic_count(auto_runs) -> None:
         for i, tried in enumerate(recipe["val_scores"]):
             trained = rounds[layer - 1] if i == kept_index else SCREEN
             grad += trained * ring(4 * params(candidate_module(tried, in_dim, out_dim, layer == 2)))
-            control += trained * split_stats
+            control += trained * split_stats + (PAIRED if i else 0)
     setup = comm_log(fixed)["control"] - sum(r * split_stats for r in rounds)
     assert searched["grad_sync"] == grad
     assert searched["control"] == control + setup
@@ -183,6 +197,22 @@ def test_a_recipe_file_trains_exactly_the_kept_models(auto_runs) -> None:
     p = [params(candidate_module(layer_manifest(fixed, l)["recipe"], i, o, l == 2))
          for l, (i, o) in ((1, (1433, HIDDEN)), (2, (HIDDEN, CLASSES)))]
     assert comm_log(fixed)["grad_sync"] == sum(r * ring(4 * q) for r, q in zip(rounds, p))
+
+
+def test_an_alternative_replaces_the_kept_recipe_only_beyond_the_margin() -> None:
+    from retexo_core.recipe import GreedySearch
+
+    def replaced(margin: float, paired: tuple[int, int] | None, score: float = 0.81) -> bool:
+        search = GreedySearch({"dropout": 0.5}, ["dropout"], layer=2, end_to_end=False, margin=margin)
+        search.next()
+        search.report(0.80)
+        assert search.next() is not None
+        return search.report(score, paired)
+
+    assert replaced(1.0, (10, 4))  # 6 more nodes right > sqrt(14) = 3.7
+    assert not replaced(1.0, (6, 3))  # 3 > sqrt(9) = 3 fails: within one standard error
+    assert replaced(0.0, (6, 3)) and not replaced(0.0, (3, 3))  # margin 0: any higher accuracy
+    assert replaced(1.0, None) and not replaced(1.0, None, 0.80)  # no paired counts (ROC-AUC): a higher score
 
 
 def test_a_bad_recipe_file_is_one_line_naming_the_file_and_the_field(tmp_path) -> None:

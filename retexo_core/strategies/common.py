@@ -255,22 +255,45 @@ def validate(ctx: WorkerContext, module: nn.Module, layer: int, round_: int, tot
     if stats is None:  # this point was skipped (a tolerant strategy lost a rank during it)
         return
     record(ctx, layer, round_, stats, total)
-    best.offer(module, stats["val"].score, round_)
+    best.offer(module, stats["val"].score, round_, lambda: val_hits(ctx, logits, rows))
+
+
+def val_hits(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(v,) bool on the CPU: whether ``logits`` (the val view's, of every owned node or of the nodes
+    ``rows``) classify each of this rank's validation nodes right; None where the validation
+    score is no accuracy (ROC-AUC for two classes; the link task's scores)."""
+    if ctx.link is not None or ctx.data.num_classes == 2:
+        return None
+    y = ctx.data.y if rows is None else ctx.data.y[rows]
+    mask = (ctx.data.masks["val"] if rows is None else ctx.data.masks["val"][rows]) & (y >= 0)
+    return (logits[mask].argmax(1) == y[mask]).cpu()
+
+
+def paired_counts(comm: Communicator, hits: torch.Tensor, kept: torch.Tensor) -> tuple[int, int]:
+    """(gained, lost): the validation nodes, over every rank, that ``hits`` classifies right and
+    ``kept`` wrong, and the reverse (``val_hits`` of two models); one all-reduce of 2 numbers (control)."""
+    local = torch.stack([(hits & ~kept).sum(), (~hits & kept).sum()]).double()
+    gained, lost = comm.all_reduce(local, "control").tolist()
+    return round(gained), round(lost)  # exact counts (secure aggregation sums them in fixed point)
 
 
 class BestState:
-    """Keeps the parameters with the best validation score (first best wins; no val -> last)."""
+    """Keeps the parameters with the best validation score (first best wins; no val -> last) and,
+    where the score is an accuracy, which validation nodes they classify right (``hits``)."""
 
     def __init__(self) -> None:
         self.accuracy = -1.0
         self.round = -1
         self.state: dict[str, torch.Tensor] | None = None
+        self.hits: torch.Tensor | None = None
 
-    def offer(self, module: nn.Module, val_accuracy: float, round_: int) -> None:
+    def offer(self, module: nn.Module, val_accuracy: float, round_: int,
+              hits: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         score = val_accuracy if not np.isnan(val_accuracy) else float(round_)
         if self.state is None or score > self.accuracy:
             self.accuracy, self.round = score, round_
             self.state = copy.deepcopy(module.state_dict())
+            self.hits = hits()
 
     def stale(self, round_: int, patience: int | None) -> bool:
         """True when the best is ``patience`` or more rounds old (the same on every rank: validation

@@ -45,6 +45,7 @@ class EndToEndResult:
     epochs: int  # epochs trained (fewer than configured after early stopping)
     loop_seconds: float = 0.0  # spent in the epoch loop (validation included)
     link_embeddings: torch.Tensor | None = None  # task link: (rows, link_dim) of every row this rank embeds
+    val_hits: torch.Tensor | None = None  # the best model's ``common.val_hits`` at its validation
 
 
 def forward(ctx: WorkerContext, blocks: nn.ModuleList, x_local: Features, graph: LocalGraph,
@@ -172,7 +173,7 @@ def train_end_to_end(ctx: WorkerContext, initial: list[dict[str, torch.Tensor]] 
         computed = {v: forward(ctx, blocks, x_local, ctx.graphs[v], ctx.plans[v]) for v in ctx.views}
         outputs = {v: computed.get(v, computed["full"]) for v in ("train", "val", "full")}
         embeddings = None if ctx.link is None else link_rows(ctx, outputs["full"][-1])
-    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, embeddings)
+    return EndToEndResult(blocks, outputs, best.round, best.accuracy, trained, seconds, embeddings, best.hits)
 
 
 def train_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]

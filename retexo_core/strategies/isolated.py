@@ -182,7 +182,8 @@ def train_tma(ctx: WorkerContext) -> EndToEndResult:
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best,
                  lambda logits: tolerant(lambda: stats(ctx, logits), lambda: None))
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started,
+                          val_hits=best.hits)
 
 
 def average_by_train_count(comm: Communicator, module: nn.Module, count: int) -> None:
@@ -255,7 +256,8 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best)
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started,
+                          val_hits=best.hits)
 
 
 def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerContext, dict[str, list[torch.Tensor]]]:

@@ -46,6 +46,7 @@ from retexo_core.strategies.common import (
     BestState,
     WorkerContext,
     average_parameters,
+    paired_counts,
     sync_gradients,
     validate,
 )
@@ -374,9 +375,11 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
 
     The layer's recipe candidates (``recipe.search_for``) all train from the same initial parameters
     on inputs prepared from the same single halo exchange (one preparation per ``features``
-    value). The start recipe trains ``screen_rounds`` rounds, then each alternative as many; a
-    strictly better best validation score replaces the kept one, which finally goes on to the
-    layer's full rounds. Every candidate's traffic is logged; the kept one's history is stored.
+    value). The start recipe trains ``screen_rounds`` rounds, then each alternative as many; an
+    alternative that beats the kept one on validation by the search's margin
+    (``GreedySearch.replaces``, from one all-reduce of 2 counts) replaces it, and the kept one
+    finally goes on to the layer's full rounds. Every candidate's traffic is logged; the kept
+    one's history is stored.
     ``kinds``: the classes that prepare the inputs and train a candidate (the link task's, for it)."""
     base = ctx.config
     search = search_for(base, layer, end_to_end=False, nonnegative=ctx.data.features_nonnegative)
@@ -398,7 +401,10 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
         spent += fit.trained
-        if search.report(fit.best.accuracy):
+        paired = None
+        if kept is not None and fit.best.hits is not None and kept.best.hits is not None:
+            paired = paired_counts(ctx.comm, fit.best.hits, kept.best.hits)
+        if search.report(fit.best.accuracy, paired):
             kept = fit
     assert kept is not None
     kept.ctx.progress = (spent - kept.trained, total)

@@ -1,0 +1,113 @@
+"""The recipe search's margin (``--recipe-margin``), judged on validation nodes the search never saw.
+
+A margin can only lower the validation score of the recipe it keeps (that score is what the
+strict search maximises), so it cannot be judged on the validation split it searched. Nor may it be
+judged on test. So each suite graph's validation split is cut in two, by a hash of the node id:
+the search and the early stopping see half A as their validation split, and half B stands in for
+the test split (the real test nodes become unlabelled: no test label is read). The run's "test"
+figure is then its score on half B, a validation figure that no choice was made on.
+
+For each graph, model and margin: ``centralized --layerwise`` (the layer-wise search, one rank:
+retexo searches the same way, on 4), cut into 4 random parts (seed 0), the suite's seeds
+(``benchmarks/accuracy.py``: ten training seeds on Cora and CiteSeer, the ten official splits of
+chameleon_filtered and wisconsin), ranks as threads. It prints each margin's half-A and half-B
+means and the paired gap of half B against margin 0, ± its standard error over the seeds.
+
+The split of validation happens where each rank loads its partition (``retexo_core.data``), so the
+runs go to a store of their own (``--store``, default a temporary one): they would share the
+fingerprints of runs on the whole validation split.
+
+    .venv/bin/python benchmarks/search_margin.py [--graphs cora,citeseer] [--models gcn] [--margins 0,1] [--seeds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy  # noqa: E402
+import retexo_core.data  # noqa: E402
+from retexo_core.data import PartData  # noqa: E402
+
+
+def in_half_b(node_id: np.ndarray) -> torch.Tensor:
+    """(n,) bool: the nodes of half B, by a multiplicative hash of their global ids (about half)."""
+    ids = torch.from_numpy(np.array(node_id, dtype=np.int64))
+    return ((ids * 2654435761) % 1000003) % 2 == 1
+
+
+def nested(data: PartData) -> PartData:
+    """``data`` with validation half A as its val split and half B as its test split."""
+    val, half_b = data.masks["val"], in_half_b(data.node_id)
+    return dataclasses.replace(data, masks={**data.masks, "val": val & ~half_b, "test": val & half_b})
+
+
+def split_validation_on_load() -> None:
+    """Every partition (and whole graph) a rank loads from now on comes with validation split in two."""
+    load_part, load_whole_graph = retexo_core.data.load_part, retexo_core.data.load_whole_graph
+    retexo_core.data.load_part = lambda *a, **k: nested(load_part(*a, **k))  # type: ignore[assignment]
+    retexo_core.data.load_whole_graph = lambda *a, **k: nested(load_whole_graph(*a, **k))  # type: ignore[assignment]
+
+
+def measure(store: accuracy.Store, graph: accuracy.SuiteGraph, datasets: Path, model: str, margins: list[float],
+            seeds: int) -> dict[float, dict[str, list[float]]]:
+    """margin -> {"a": half-A scores, "b": half-B scores}, one per seed."""
+    out: dict[float, dict[str, list[float]]] = {m: {"a": [], "b": []} for m in margins}
+    for seed in range(seeds):
+        dataset = accuracy.ingest(store, graph, datasets, seed)
+        partition = accuracy.build_partition(store, dataset, accuracy.PartitionOptions(
+            method="random", parts=accuracy.PARTS, seed=0))
+        for margin in margins:
+            options: dict[str, Any] = {**accuracy.VARIANTS["centralized --layerwise"], "recipe_margin": margin}
+            run = accuracy.train_once(store, dataset, partition, options, model, seed)
+            out[margin]["a"].append(run["val"])
+            out[margin]["b"].append(run["test"])
+            print(f"{graph.name} {model} seed {seed} margin {margin:g}: half A {run['val']:.4f}, "
+                  f"half B {run['test']:.4f}", flush=True)
+    return out
+
+
+def gap(values: list[float], base: list[float]) -> str:
+    """Paired mean gap in points ± its standard error over the seeds."""
+    gaps = [100 * (v - b) for v, b in zip(values, base)]
+    se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
+    return f"{statistics.mean(gaps):+.2f} ± {se:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datasets", type=Path, default=accuracy.REPO.parent / "shared" / "datasets")
+    parser.add_argument("--graphs", default="cora,citeseer,wisconsin,chameleon_filtered")
+    parser.add_argument("--models", default="gcn")
+    parser.add_argument("--margins", default="0,1", help="comma list; the first is the baseline of the gaps")
+    parser.add_argument("--seeds", type=int, help="seeds of every graph (default: the suite's own)")
+    parser.add_argument("--store", type=Path, help="a store for these runs only (default: a temporary one)")
+    args = parser.parse_args()
+    margins = [float(m) for m in args.margins.split(",")]
+    split_validation_on_load()
+    lines = ["| graph | model | seeds | " + " | ".join(f"margin {m:g}: A / B" for m in margins)
+             + " | " + " | ".join(f"B gap, margin {m:g}" for m in margins[1:]) + " |",
+             "|---|---|---|" + "---|" * (2 * len(margins) - 1)]
+    with tempfile.TemporaryDirectory(prefix="retexo-margin-") as tmp:
+        store = accuracy.Store.open(args.store or Path(tmp) / "store")
+        for graph in [g for g in accuracy.SUITE if g.name in args.graphs.split(",")]:
+            for model in args.models.split(","):
+                seeds = graph.seeds(args.seeds)
+                runs = measure(store, graph, args.datasets, model, margins, seeds)
+                means = [f"{statistics.mean(runs[m]['a']):.3f} / {statistics.mean(runs[m]['b']):.3f}" for m in margins]
+                gaps = [gap(runs[m]["b"], runs[margins[0]]["b"]) for m in margins[1:]]
+                lines.append(f"| {graph.name} | {model} | {seeds} | " + " | ".join(means + gaps) + " |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
