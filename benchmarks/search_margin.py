@@ -77,10 +77,9 @@ def measure(store: accuracy.Store, graph: accuracy.SuiteGraph, datasets: Path, m
 
 
 def gap(values: list[float], base: list[float]) -> str:
-    """Paired mean gap in points ± its standard error over the seeds."""
-    gaps = [100 * (v - b) for v, b in zip(values, base)]
-    se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
-    return f"{statistics.mean(gaps):+.2f} ± {se:.2f}"
+    """Paired mean gap in points ± its standard error over the seeds (``accuracy.paired_gap``)."""
+    mean, error = accuracy.paired_gap(values, base)
+    return f"{mean:+.2f}" + ("" if error is None else f" ± {error:.2f}")
 
 
 def main() -> None:

@@ -184,9 +184,7 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
                                    progress=(len(search.tried) * ctx.config.epochs, total))
         eval_ctx, result = mine.config.strategy_spec.load_trainer()(mine, sink, refresh)
         epochs, seconds = epochs + result.epochs, seconds + result.loop_seconds
-        paired = None
-        if kept is not None and result.val_hits is not None and kept[1].val_hits is not None:
-            paired = paired_counts(ctx.comm, result.val_hits, kept[1].val_hits)
+        paired = None if kept is None else paired_counts(ctx.comm, result.val_hits, kept[1].val_hits)
         if search.report(result.best_val, paired):
             kept = (eval_ctx, result)
     assert kept is not None

@@ -201,16 +201,23 @@ def margin_histogram(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return score_histogram(logits[:, 1] - logits[:, 0], y, AUC_BINS, AUC_MARGIN)
 
 
+def labelled(ctx: WorkerContext, split: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels of every owned node (or of the nodes ``rows``) and the mask of those in ``split``
+    with a label."""
+    y = ctx.data.y if rows is None else ctx.data.y[rows]
+    mask = ctx.data.masks[split] if rows is None else ctx.data.masks[split][rows]
+    return y, mask & (y >= 0)
+
+
 def split_stats(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None = None) -> dict[str, SplitStats]:
     """Global loss and accuracy of ``ctx.round_splits`` from one all-reduce of 3 numbers per split
     (control); ``logits`` are the val view's, of every owned node or of the nodes ``rows``. Two-class
     tasks add the val split's margin histogram (2 x AUC_BINS numbers) to the same all-reduce, for
     its ROC-AUC: counts leave a rank, never a node's score or label."""
     values = []
-    y = ctx.data.y if rows is None else ctx.data.y[rows]
     binary = ctx.data.num_classes == 2
     for name in ctx.round_splits:
-        mask = (ctx.data.masks[name] if rows is None else ctx.data.masks[name][rows]) & (y >= 0)
+        y, mask = labelled(ctx, name, rows)
         values += [F.cross_entropy(logits[mask], y[mask], reduction="sum"),  # 0 for an empty split
                    (logits[mask].argmax(1) == y[mask]).sum(), mask.sum()]
         if binary and name == "val":
@@ -264,14 +271,17 @@ def val_hits(ctx: WorkerContext, logits: torch.Tensor, rows: torch.Tensor | None
     score is no accuracy (ROC-AUC for two classes; the link task's scores)."""
     if ctx.link is not None or ctx.data.num_classes == 2:
         return None
-    y = ctx.data.y if rows is None else ctx.data.y[rows]
-    mask = (ctx.data.masks["val"] if rows is None else ctx.data.masks["val"][rows]) & (y >= 0)
+    y, mask = labelled(ctx, "val", rows)
     return (logits[mask].argmax(1) == y[mask]).cpu()
 
 
-def paired_counts(comm: Communicator, hits: torch.Tensor, kept: torch.Tensor) -> tuple[int, int]:
+def paired_counts(comm: Communicator, hits: torch.Tensor | None, kept: torch.Tensor | None) -> tuple[int, int] | None:
     """(gained, lost): the validation nodes, over every rank, that ``hits`` classifies right and
-    ``kept`` wrong, and the reverse (``val_hits`` of two models); one all-reduce of 2 numbers (control)."""
+    ``kept`` wrong, and the reverse (``val_hits`` of two models); one all-reduce of 2 numbers
+    (control). None, without traffic, where the score is no accuracy (either is None: the same on
+    every rank)."""
+    if hits is None or kept is None:
+        return None
     local = torch.stack([(hits & ~kept).sum(), (~hits & kept).sum()]).double()
     gained, lost = comm.all_reduce(local, "control").tolist()
     return round(gained), round(lost)  # exact counts (secure aggregation sums them in fixed point)

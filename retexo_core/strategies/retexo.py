@@ -401,9 +401,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
         spent += fit.trained
-        paired = None
-        if kept is not None and fit.best.hits is not None and kept.best.hits is not None:
-            paired = paired_counts(ctx.comm, fit.best.hits, kept.best.hits)
+        paired = None if kept is None else paired_counts(ctx.comm, fit.best.hits, kept.best.hits)
         if search.report(fit.best.accuracy, paired):
             kept = fit
     assert kept is not None
