@@ -17,16 +17,20 @@ The split of validation happens where each rank loads its partition (``retexo_co
 runs go to a store of their own (``--store``, default a temporary one): they would share the
 fingerprints of runs on the whole validation split.
 
-    .venv/bin/python benchmarks/search_margin.py [--graphs cora,citeseer] [--models gcn] [--margins 0,1] [--seeds N]
+    .venv/bin/python benchmarks/search_margin.py [--graphs cora,citeseer] [--models gcn] [--margins 0,1]
+        [--seeds N] [--jobs N]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +62,42 @@ def split_validation_on_load() -> None:
     retexo_core.data.load_whole_graph = lambda *a, **k: nested(load_whole_graph(*a, **k))  # type: ignore[assignment]
 
 
-def measure(store: accuracy.Store, graph: accuracy.SuiteGraph, datasets: Path, model: str, margins: list[float],
-            seeds: int) -> dict[float, dict[str, list[float]]]:
-    """margin -> {"a": half-A scores, "b": half-B scores}, one per seed."""
-    out: dict[float, dict[str, list[float]]] = {m: {"a": [], "b": []} for m in margins}
-    for seed in range(seeds):
-        dataset = accuracy.ingest(store, graph, datasets, seed)
-        partition = accuracy.build_partition(store, dataset, accuracy.PartitionOptions(
-            method="random", parts=accuracy.PARTS, seed=0))
-        for margin in margins:
-            options: dict[str, Any] = {**accuracy.VARIANTS["centralized --layerwise"], "recipe_margin": margin}
-            run = accuracy.train_once(store, dataset, partition, options, model, seed)
-            out[margin]["a"].append(run["val"])
-            out[margin]["b"].append(run["test"])
-            print(f"{graph.name} {model} seed {seed} margin {margin:g}: half A {run['val']:.4f}, "
-                  f"half B {run['test']:.4f}", flush=True)
+Runs = dict[float, dict[int, tuple[float, float]]]  # margin -> seed -> (half-A score, half-B score)
+
+
+def start_worker() -> None:
+    """A job process: one torch thread, and validation split in two wherever it loads a partition."""
+    torch.set_num_threads(1)
+    split_validation_on_load()
+
+
+def one_run(store_path: Path, graph: accuracy.SuiteGraph, datasets: Path, model: str, margin: float,
+            seed: int) -> tuple[str, str, float, int, float, float]:
+    """One ``centralized --layerwise`` run: (graph, model, margin, seed, half-A score, half-B score)."""
+    store = accuracy.Store.open(store_path)
+    dataset = accuracy.ingest(store, graph, datasets, seed)
+    partition = accuracy.build_partition(store, dataset, accuracy.PartitionOptions(
+        method="random", parts=accuracy.PARTS, seed=0))
+    options: dict[str, Any] = {**accuracy.VARIANTS["centralized --layerwise"], "recipe_margin": margin}
+    run = accuracy.train_once(store, dataset, partition, options, model, seed)
+    return graph.name, model, margin, seed, run["val"], run["test"]
+
+
+def measure(store_path: Path, graphs: list[accuracy.SuiteGraph], datasets: Path, models: list[str],
+            margins: list[float], seeds: int | None, jobs: int) -> dict[tuple[str, str], Runs]:
+    """(graph, model) -> its runs, every (graph, model, margin, seed) as a job of ``jobs`` processes
+    side by side; each run's line is printed as it ends."""
+    accuracy.prepare_suite(accuracy.Store.open(store_path), graphs, datasets, seeds, 0)
+    tasks = [(g, m, margin, s) for g in graphs for m in models for s in range(g.seeds(seeds)) for margin in margins]
+    out: dict[tuple[str, str], Runs] = {}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=start_worker) as pool:
+        futures = [pool.submit(one_run, store_path, g, datasets, m, margin, s) for g, m, margin, s in tasks]
+        for future in as_completed(futures):
+            name, model, margin, seed, half_a, half_b = future.result()
+            out.setdefault((name, model), {m: {} for m in margins})[margin][seed] = (half_a, half_b)
+            print(f"{name} {model} seed {seed} margin {margin:g}: half A {half_a:.4f}, half B {half_b:.4f}",
+                  flush=True)
     return out
 
 
@@ -90,21 +115,25 @@ def main() -> None:
     parser.add_argument("--margins", default="0,1", help="comma list; the first is the baseline of the gaps")
     parser.add_argument("--seeds", type=int, help="seeds of every graph (default: the suite's own)")
     parser.add_argument("--store", type=Path, help="a store for these runs only (default: a temporary one)")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="runs side by side, one process and one torch thread each (default: one per CPU)")
     args = parser.parse_args()
     margins = [float(m) for m in args.margins.split(",")]
-    split_validation_on_load()
-    lines = ["| graph | model | seeds | " + " | ".join(f"margin {m:g}: A / B" for m in margins)
-             + " | " + " | ".join(f"B gap, margin {m:g}" for m in margins[1:]) + " |",
-             "|---|---|---|" + "---|" * (2 * len(margins) - 1)]
+    columns = [f"margin {m:g}: A / B" for m in margins] + [f"B gap, margin {m:g}" for m in margins[1:]]
+    lines = ["| graph | model | seeds | " + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns)]
+    graphs = [g for g in accuracy.SUITE if g.name in args.graphs.split(",")]
     with tempfile.TemporaryDirectory(prefix="retexo-margin-") as tmp:
-        store = accuracy.Store.open(args.store or Path(tmp) / "store")
-        for graph in [g for g in accuracy.SUITE if g.name in args.graphs.split(",")]:
-            for model in args.models.split(","):
-                seeds = graph.seeds(args.seeds)
-                runs = measure(store, graph, args.datasets, model, margins, seeds)
-                means = [f"{statistics.mean(runs[m]['a']):.3f} / {statistics.mean(runs[m]['b']):.3f}" for m in margins]
-                gaps = [gap(runs[m]["b"], runs[margins[0]]["b"]) for m in margins[1:]]
-                lines.append(f"| {graph.name} | {model} | {seeds} | " + " | ".join(means + gaps) + " |")
+        runs = measure(args.store or Path(tmp) / "store", graphs, args.datasets, args.models.split(","), margins,
+                       args.seeds, args.jobs)
+    for graph in graphs:
+        for model in args.models.split(","):
+            by_margin = {m: [runs[graph.name, model][m][s] for s in sorted(runs[graph.name, model][m])]
+                         for m in margins}
+            means = [f"{statistics.mean(a for a, _ in by_margin[m]):.3f} / "
+                     f"{statistics.mean(b for _, b in by_margin[m]):.3f}" for m in margins]
+            gaps = [gap([b for _, b in by_margin[m]], [b for _, b in by_margin[margins[0]]]) for m in margins[1:]]
+            seeds = len(by_margin[margins[0]])
+            lines.append(f"| {graph.name} | {model} | {seeds} | " + " | ".join(means + gaps) + " |")
     print("\n".join(lines))
 
 
