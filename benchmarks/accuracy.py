@@ -303,10 +303,15 @@ def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds:
     nodes = {}
     for graph in graphs:
         for seed in range(first_seed, first_seed + graph.seeds(seeds)):
-            dataset = ingest(store, graph, datasets, seed)
-            build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+            dataset, _ = suite_partition(store, graph, datasets, seed)
             nodes[graph.name] = dataset.num_nodes
     return nodes
+
+
+def suite_partition(store: Store, graph: SuiteGraph, datasets: Path, seed: int) -> tuple[DatasetRef, object]:
+    """The graph's dataset for ``seed`` and its 4 random parts (seed 0), from the store where they exist."""
+    dataset = ingest(store, graph, datasets, seed)
+    return dataset, build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
 
 
 def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], variants: list[str],

@@ -75,9 +75,7 @@ def one_run(store_path: Path, graph: accuracy.SuiteGraph, datasets: Path, model:
             seed: int) -> tuple[str, str, float, int, float, float]:
     """One ``centralized --layerwise`` run: (graph, model, margin, seed, half-A score, half-B score)."""
     store = accuracy.Store.open(store_path)
-    dataset = accuracy.ingest(store, graph, datasets, seed)
-    partition = accuracy.build_partition(store, dataset, accuracy.PartitionOptions(
-        method="random", parts=accuracy.PARTS, seed=0))
+    dataset, partition = accuracy.suite_partition(store, graph, datasets, seed)
     options: dict[str, Any] = {**accuracy.VARIANTS["centralized --layerwise"], "recipe_margin": margin}
     run = accuracy.train_once(store, dataset, partition, options, model, seed)
     return graph.name, model, margin, seed, run["val"], run["test"]
