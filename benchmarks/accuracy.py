@@ -60,6 +60,7 @@ from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
+from runner.depth import depth_choice  # noqa: E402
 from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
 from runner.request import RunRequest, prepare_run  # noqa: E402
 
@@ -127,7 +128,8 @@ def train_once(store: Store, dataset: DatasetRef, partition: object, options: di
     config = TrainConfig(**options, model=model, seed=seed, device=device, timeout_s=3600)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
-    return {"val": summary.score("val"), "test": summary.score("test"), "mb": summary.total_bytes / 1e6}
+    total = summary.total_bytes if plan.deeper is None else depth_choice(plan).total_bytes  # both depths' bytes
+    return {"val": summary.score("val"), "test": summary.score("test"), "mb": total / 1e6}
 
 
 def reference_once(plain: object, model: str, seed: int, device: str = "cpu") -> dict[str, float]:

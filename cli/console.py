@@ -118,30 +118,35 @@ def training_bars() -> Iterator[tuple[Callable[[Any], None], Callable[[Any], Non
         TextColumn("best val {task.fields[best]} (last {task.fields[val]})"),
         TextColumn("{task.fields[sent]} sent"), TimeElapsedColumn(), console=err, transient=False,
     ) as bars:
-        tasks: dict[int, Any] = {}
-        totals: dict[int, int] = {}
+        tasks: dict[tuple[int | None, int], Any] = {}  # (depth, layer) -> its bar
+        totals: dict[tuple[int | None, int], int] = {}
 
-        def bar(layer: int, total: int) -> Any:
-            totals[layer] = total
-            if layer not in tasks:
-                tasks[layer] = bars.add_task(_step(layer), total=total, val="-", best="-", sent="-")
-            return tasks[layer]
+        def bar(item: Any, total: int) -> Any:
+            key = (item.depth, item.layer)
+            totals[key] = total
+            if key not in tasks:
+                tasks[key] = bars.add_task(_step(item), total=total, val="-", best="-", sent="-")
+            return tasks[key]
 
         def on_round(item: Any) -> None:
-            bars.update(bar(item.layer, item.total), completed=item.done, total=item.total, val=_accuracy(item.val_acc),
+            bars.update(bar(item, item.total), completed=item.done, total=item.total, val=_accuracy(item.val_acc),
                         best=_accuracy(item.best_val_acc), sent=human_bytes(item.bytes_sent))
 
         def on_layer(item: Any) -> None:
-            if item.state != "trained" and item.layer not in tasks:
-                bars.update(bar(item.layer, 1), completed=1, best=item.state, val="-", sent="-")
-            elif item.layer in tasks:  # committed: full, even if its last round was not polled
-                bars.update(tasks[item.layer], completed=totals[item.layer])
+            key = (item.depth, item.layer)
+            if item.state != "trained" and key not in tasks:
+                bars.update(bar(item, 1), completed=1, best=item.state, val="-", sent="-")
+            elif key in tasks:  # committed: full, even if its last round was not polled
+                bars.update(tasks[key], completed=totals[key])
 
         yield on_layer, on_round
 
 
-def _step(layer: int) -> str:
-    return f"layer {layer}" if layer else "epochs"
+def _step(item: Any) -> str:
+    """A bar's name: ``layer 2``, ``layer 2/3`` (layer 2 of the depth-3 run of a depth choice) or ``epochs``."""
+    if not item.layer:
+        return "epochs"
+    return f"layer {item.layer}" + (f"/{item.depth}" if item.depth else "")
 
 
 def _training_lines() -> tuple[Callable[[Any], None], Callable[[Any], None]]:
@@ -149,19 +154,19 @@ def _training_lines() -> tuple[Callable[[Any], None], Callable[[Any], None]]:
     lines, last = ProgressLines(), {}
 
     def on_round(item: Any) -> None:
-        last[item.layer] = item
-        if lines.due(item.layer, item.done, item.total):
-            err.print(f"{_step(item.layer)}: {item.done}/{item.total}, best val {_accuracy(item.best_val_acc)} "
+        last[(item.depth, item.layer)] = item
+        if lines.due(_step(item), item.done, item.total):
+            err.print(f"{_step(item)}: {item.done}/{item.total}, best val {_accuracy(item.best_val_acc)} "
                       f"(last {_accuracy(item.val_acc)}), {human_bytes(item.bytes_sent)} sent, "
-                      f"{lines.elapsed(item.layer)}", highlight=False)
+                      f"{lines.elapsed(_step(item))}", highlight=False)
 
     def on_layer(item: Any) -> None:
         if item.state != "trained":
-            err.print(f"{_step(item.layer)}: {item.state}", highlight=False)
+            err.print(f"{_step(item)}: {item.state}", highlight=False)
             return
-        seen = last.get(item.layer, last.get(0))  # an end-to-end model's layers: its epochs
+        seen = last.get((item.depth, item.layer), last.get((item.depth, 0)))  # an end-to-end model's layers: its epochs
         kept = f", keeps the model of best val {_accuracy(seen.best_val_acc)}" if seen is not None else ""
-        err.print(f"{_step(item.layer)}: trained in {item.seconds:.1f} s{kept}", highlight=False)
+        err.print(f"{_step(item)}: trained in {item.seconds:.1f} s{kept}", highlight=False)
 
     return on_layer, on_round
 

@@ -22,6 +22,7 @@ from flows.params import PipelineParams, RunParams
 from flows.local_run import note_outcome, untagged_tasks
 from flows.train import train_and_report
 from graphstore.layout import Store
+from graphstore.lookup import completed_run
 from graphstore.promotion import warm_start_for
 from retexo_core.config import TrainConfig
 from tasks.ingest import ingest_task
@@ -32,8 +33,14 @@ from tasks.promote import promote_task
 def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParams:
     """``run`` starting from the pipeline's promoted model (``promotion.warm_start``) when that
     model fits this run; a cold start, with a warning, when it does not (``prepare_run``)."""
-    warm = warm_start_for(Store.open(run.store), str(params.promotion.pipeline), run.dataset)
-    train = TrainConfig.model_validate({**run.train.model_dump(), "warm_start": warm})
+    store = Store.open(run.store)
+    warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
+    update: dict[str, object] = {"warm_start": warm}
+    if warm is not None and run.train.choose_depth:  # the promoted model's depth, chosen when it trained
+        update.update(choose_depth=False, layers=completed_run(store, warm).config["layers"])
+        get_run_logger().info("choose_depth: warm start from the promoted model, at its depth (%s layers)",
+                              update["layers"])
+    train = TrainConfig.model_validate({**run.train.model_dump(), **update})
     return run.model_copy(update={"train": train, "cold_start_if_unfit": True})
 
 

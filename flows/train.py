@@ -36,7 +36,7 @@ def train_and_report(params: RunParams, baselines: Sequence[Strategy] = ()) -> d
         fresh = any(state != "cached" for state in result["layers"].values())  # type: ignore[union-attr]
         stages[f"compare {strategy}"] = "trained" if fresh else "cached"
         compared.append(str(result["run"]))
-    report = report_task(plan)
+    report = report_task(plan, str(trained["run"]))
     return {**trained, **report, "stages": stages, "compared": compared}
 
 

@@ -22,6 +22,7 @@ the Prefect train task and the benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -43,6 +44,7 @@ from graphstore.manifests import RunManifest, read_manifest
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import link_layer
+from runner.depth import depth_choice
 from runner.descendant_guard import guard_run
 from runner.finalize import finalize_run
 from runner.launch import (Launcher, WorkerFailed, check_worker_processes, default_threads, free_port, node_ranks,
@@ -92,6 +94,7 @@ class LayerProgress:
     layer: int
     state: str  # trained | reused | cached
     seconds: float
+    depth: int | None = None  # a depth choice (``runner.depth``): the layers of the run it belongs to
 
 
 def keeps_store(plan: RunPlan, launch: LaunchOptions) -> bool:
@@ -264,7 +267,30 @@ def ensure_layers(plan: RunPlan, launch: LaunchOptions = LaunchOptions(),
 
 def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_layer: OnLayer | None = None,
                  on_round: OnRound | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
-    """Train (or reuse) every layer, then finalise the run (node 0; other nodes return None).
+    """Train (or reuse) every layer, then finalise the run (``train_run``; node 0 returns its
+    manifest, other nodes None). With a depth choice (``plan.deeper``), the run one layer deeper
+    next, and the manifest of the one kept on validation (``runner.depth``); the progress items
+    and the callbacks' items then carry their run's depth."""
+    if plan.deeper is None:
+        return train_run(plan, launch, on_layer, on_round)
+    progress = []
+    for one in (plan, plan.deeper):
+        tagged = (None if on_layer is None else
+                  lambda item, d=one.config.layers: on_layer(dataclasses.replace(item, depth=d)))
+        rounds = (None if on_round is None else
+                  lambda item, d=one.config.layers: on_round(dataclasses.replace(item, depth=d)))
+        summary, more = train_run(one, launch, tagged, rounds)
+        progress += [dataclasses.replace(p, depth=one.config.layers) for p in more]
+    if summary is None:
+        return None, progress
+    choice = depth_choice(plan)
+    log.info("%s", choice.describe())
+    return choice.kept, progress
+
+
+def train_run(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_layer: OnLayer | None = None,
+              on_round: OnRound | None = None) -> tuple[RunManifest | None, list[LayerProgress]]:
+    """Train (or reuse) every layer of one run, then finalise it (node 0; other nodes return None).
 
     Node 0 holds the run while it trains it and records its events: ``started``; then
     ``completed``, ``failed`` (an error) or ``interrupted`` (KeyboardInterrupt, SIGTERM through

@@ -54,6 +54,7 @@ class RunPlan:
     network: NetworkModel
     layer_fps: dict[int, str] = field(default_factory=dict)
     site: int | None = None  # a site's run: this site's rank (world = the number of sites)
+    deeper: "RunPlan | None" = None  # choose_depth: the run one layer deeper, trained after this one
 
     @property
     def store(self) -> Store:
@@ -109,13 +110,14 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
                      for l in range(1, config.layers + 1)}
     else:
         layer_fps = {l: fingerprint({"run": run_fp, "layer": l}) for l in range(1, config.layers + 1)}
+    deeper = plan_run(store, dataset, partition, config.deeper(), network) if config.choose_depth else None
     return RunPlan(
         store_root=str(store.root), run_fp=run_fp, dataset_name=dataset.name, dataset_fp=dataset.fp,
         partition_fp=None if whole else partition.fp,  # type: ignore[union-attr]
         partition_method=None if whole else partition.method,  # type: ignore[union-attr]
         source_dir=str(dataset.path if whole else partition.path),  # type: ignore[union-attr]
         whole_graph=whole, world=1 if whole else partition.parts,  # type: ignore[union-attr]
-        config=config, network=network, layer_fps=layer_fps,
+        config=config, network=network, layer_fps=layer_fps, deeper=deeper,
     )
 
 
@@ -127,6 +129,8 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
     if not config.strategy_spec.at_sites or config.tolerate_failures or config.warm_start:
         raise RetexoError(f"sites train the strategies {', '.join(AT_SITES)} (without warm start or "
                           f"tolerated failures); {config.strategy} needs a central partition")
+    if config.choose_depth:
+        raise RetexoError("sites train one depth: choose it on a central copy, or train both depths with --layers")
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
     plan = plan_run(store, dataset, partition, config, network)

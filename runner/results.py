@@ -66,6 +66,7 @@ class RoundProgress:
     val_acc: float | None
     bytes_sent: int
     best_val_acc: float | None = None
+    depth: int | None = None  # a depth choice: the layers of the run it belongs to (``runner.lifecycle``)
 
 
 def progress_path(store_root: str, run_fp: str, layer: int, part: int) -> Path:

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from graphstore.layout import is_complete
 from graphstore.report import write_report
+from runner.depth import depth_choice
 from runner.lifecycle import LayerProgress, OnLayer, OnRound, run_training
 from runner.plan import RunPlan, layer_state
 from tasks.best_effort import report
@@ -50,40 +51,58 @@ def train_task(plan: RunPlan) -> dict[str, object]:
     evaluation stage's status (done, or cached when the run was already complete).
     """
     logger = get_run_logger()
-    already = is_complete(plan.store.run_dir(plan.run_fp)) and all(layer_state(plan, l) == "done" for l in plan.layers)
+    already = all(is_complete(p.store.run_dir(p.run_fp)) and all(layer_state(p, l) == "done" for l in p.layers)
+                  for p in (plan, plan.deeper) if p is not None)
     progress_id = report(create_progress_artifact, 0.0, key=f"train-progress-{plan.run_fp}",
                          description=f"layers finished of run {plan.run_fp}")
 
+    layers = plan.config.layers + (0 if plan.deeper is None else plan.deeper.config.layers)
+    finished: list[LayerProgress] = []
     with display() as (show_layer, show_round):
         def on_layer(item: LayerProgress) -> None:
+            finished.append(item)
             if progress_id is not None:
-                report(update_progress_artifact, progress_id, 100.0 * item.layer / plan.config.layers)
-            logger.info("layer %d: %s (%.1f s)", item.layer, item.state, item.seconds)
+                report(update_progress_artifact, progress_id, 100.0 * len(finished) / layers)
+            logger.info("layer %s: %s (%.1f s)", layer_name(item), item.state, item.seconds)
             show_layer(item)
 
         summary, progress = run_training(plan, on_layer=on_layer, on_round=show_round)
     assert summary is not None
-    logger.info("run %s: test accuracy %.4f, %d bytes", plan.run_fp, summary.accuracy("test"), summary.total_bytes)
-    return {"run": plan.run_fp, "layers": {p.layer: p.state for p in progress},
+    total_bytes = summary.total_bytes
+    result: dict[str, object] = {}
+    if plan.deeper is not None:
+        choice = depth_choice(plan)
+        logger.info("%s", choice.describe())
+        total_bytes = choice.total_bytes
+        result["depth"] = {"kept": len(summary.layers), "runs": {len(m.layers): m.fp for m in (choice.shallower,
+                                                                                               choice.deeper)}}
+    logger.info("run %s: test accuracy %.4f, %d bytes", summary.fp, summary.accuracy("test"), total_bytes)
+    return {"run": summary.fp, "layers": {layer_name(p): p.state for p in progress},
             "evaluate": "cached" if already else "done", "test_acc": summary.test_acc,
-            "total_bytes": summary.total_bytes}
+            "total_bytes": total_bytes, **result}
+
+
+def layer_name(item: LayerProgress) -> int | str:
+    """A layer's key in the task's result: its number, or ``l/depth`` in a depth choice."""
+    return f"{item.layer}/{item.depth}" if item.depth else item.layer
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_task(plan: RunPlan) -> dict[str, object]:
-    """Markdown report (with the accuracy-vs-bytes plot inline) and a metrics table artifact; the
-    report in the store is redrawn only when a run on the same dataset finished after it."""
-    written = write_report(plan.store, plan.run_fp, only_if_stale=True)
+def report_task(plan: RunPlan, run: str) -> dict[str, object]:
+    """Markdown report of ``run`` (the plan's, or the depth it kept: ``train_task``'s ``run``), with
+    the accuracy-vs-bytes plot inline, and a metrics table artifact; the report in the store is
+    redrawn only when a run on the same dataset finished after it."""
+    written = write_report(plan.store, run, only_if_stale=True)
     image = base64.b64encode(written.plot_path.read_bytes()).decode()
     markdown = written.markdown.replace("(accuracy_vs_bytes.png)", f"(data:image/png;base64,{image})")
-    report(create_markdown_artifact, markdown, key=f"run-report-{plan.run_fp}", description=f"run {plan.run_fp}")
+    report(create_markdown_artifact, markdown, key=f"run-report-{run}", description=f"run {run}")
     m = written.manifest
     report(
         create_table_artifact,
-        [{"run": plan.run_fp, "dataset": m.dataset_name, "strategy": m.label, "model": m.model,
+        [{"run": run, "dataset": m.dataset_name, "strategy": m.label, "model": m.model,
           "parts": m.parts, "split": r["split"], "accuracy": r["accuracy"], "macro_f1": r["macro_f1"],
           "total_bytes": m.total_bytes, "sim_comm_s": m.sim_comm_s} for r in m.evaluation],
-        key=f"run-metrics-{plan.run_fp}", description="metrics per split",
+        key=f"run-metrics-{run}", description="metrics per split",
     )
     get_run_logger().info("report written to %s (plot %s)", written.report_path, written.plot_path)
     return {"report": str(written.report_path), "plot": str(written.plot_path)}

@@ -33,6 +33,7 @@ from retexo_core.recipe import KNOB_NAMES
 
 if TYPE_CHECKING:
     from graphstore.manifests import RunManifest
+    from runner.depth import DepthChoice
     from runner.lifecycle import LayerProgress
     from runner.preview import Preview
 
@@ -77,7 +78,8 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
     title = (f"run {m.fp}: {m.label} {m.model} on {m.dataset_name} "
              f"({m.parts} parts, {m.method or 'whole graph'}, {m.setting})")
     if progress:
-        print_table(title, ["layer", "status", "seconds"], [[p.layer, p.state, round(p.seconds, 2)] for p in progress])
+        print_table(title, ["layer", "status", "seconds"],
+                    [[f"{p.layer}/{p.depth}" if p.depth else p.layer, p.state, round(p.seconds, 2)] for p in progress])
     else:
         out.print(title)
     if m.config.get("task") == "link":
@@ -102,6 +104,14 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
     ])
 
 
+def show_depth_choice(choice: DepthChoice) -> None:
+    """Both runs of a depth choice (``--choose-depth``): validation and test scores, bytes, the one kept."""
+    rows = [[len(m.layers), m.fp, round(m.score("val"), 4), round(m.score("test"), 4), human_bytes(m.total_bytes),
+             "kept" if m is choice.kept else ""] for m in (choice.shallower, choice.deeper)]
+    print_table(f"depth chosen on validation ({human_bytes(choice.total_bytes)} for both runs, shared layers once)",
+                ["layers", "run", f"val {choice.shallower.score_name('val')}", "test", "bytes", ""], rows)
+
+
 def show_preview(preview: Preview) -> None:
     """The plan and the memory estimates of ``retexo train --dry-run``; exit code 2 when the
     command would be refused."""
@@ -121,6 +131,9 @@ def show_preview(preview: Preview) -> None:
     if plan is not None:
         rows.append(["run", f"{plan.run_fp}: {plan.config.strategy} {plan.config.model}, {plan.world} worker(s)"])
         rows += [[f"layer {layer}", state] for layer, state in preview.layer_states.items()]
+        if plan.deeper is not None:
+            rows.append(["deeper run", f"{plan.deeper.run_fp}: {plan.deeper.config.layers} layers, trained next "
+                                       "(--choose-depth keeps the one with the higher validation score)"])
     else:
         rows.append(["run", "its fingerprint follows from the partition's, once built"])
     for estimate in preview.estimates:
@@ -148,6 +161,7 @@ def train_cmd(
     **options: Any,
 ) -> None:
     """Train a GNN over the partitions and print accuracy, bytes by kind, simulated and wall time."""
+    from runner.depth import depth_choice
     from runner.lifecycle import run_training
     from runner.request import RunRequest, prepare_run
 
@@ -167,6 +181,8 @@ def train_cmd(
     with training_bars() as (on_layer, on_round):
         summary, progress = run_training(plan, on_layer=on_layer, on_round=on_round)
     show_run(summary, progress, time.perf_counter() - started)  # type: ignore[arg-type]
+    if plan.deeper is not None:
+        show_depth_choice(depth_choice(plan))
 
 
 def worker_cmd(
@@ -209,6 +225,10 @@ def worker_cmd(
         err.print(f"node {node_rank}: ranks {ranks} finished")
         return
     show_run(summary, progress, time.perf_counter() - started)
+    if plan.deeper is not None:
+        from runner.depth import depth_choice
+
+        show_depth_choice(depth_choice(plan))
 
 
 @site_app.command("train")
