@@ -5,9 +5,8 @@ deeper (``RunPlan.deeper``, L + 1), trained after it by the lifecycle. In layer-
 first L - 1 layers have the same fingerprints (a layer depends on the options of layers 1..l and on
 whether it is the last), so the deeper run links them from the shallower one instead of training
 them: it trains layer L again as a hidden layer, and layer L + 1. An end-to-end model is trained
-again as a whole. The kept run is the one with the higher
-validation score (accuracy, or ROC-AUC where the run reports one); the shallower on ties. The test
-split is never read to choose.
+again as a whole. The kept run is the one with the higher validation score (accuracy, or ROC-AUC
+where the run reports one); the shallower on ties. The test split is never read to choose.
 
 The choice is a function of the two stored run manifests (``depth_choice``), so a scheduled
 retraining over unchanged data finds both runs cached and keeps the same depth. Its cost is both
@@ -42,15 +41,12 @@ class DepthChoice:
         """The deeper run when its validation score is higher, else the shallower one."""
         return self.deeper if self.deeper.score("val") > self.shallower.score("val") else self.shallower
 
-    @property
-    def depths(self) -> tuple[int, int]:
-        return len(self.shallower.layers), len(self.deeper.layers)
-
     def describe(self) -> str:
         """One line: the validation score of each depth and the one kept."""
-        (short, deep), name = self.depths, self.shallower.score_name("val")
-        return (f"depth chosen on validation: {len(self.kept.layers)} (val {name} {self.shallower.score('val'):.4f} "
-                f"with {short} layers, {self.deeper.score('val'):.4f} with {deep}); {self.total_bytes:,} bytes for both")
+        short, deep = self.shallower, self.deeper
+        return (f"depth chosen on validation: {len(self.kept.layers)} (val {short.score_name('val')} "
+                f"{short.score('val'):.4f} with {len(short.layers)} layers, {deep.score('val'):.4f} with "
+                f"{len(deep.layers)}); {self.total_bytes:,} bytes for both")
 
 
 def shared_bytes(store: Store, deeper: RunManifest, shallower: RunManifest) -> int:
