@@ -32,6 +32,9 @@ from runner.plan import plan_run
 from training_helpers import IN_PROCESS, small_config, training_started, worker_processes
 
 WORKERS = 2
+# a bound on failure only: `retexo run` starts a temporary Prefect server first, which took over 120 s
+# once while `make test`'s four workers shared two cores
+START_S = 300
 GONE_S = 10.0  # bound on the clean-up after a launcher dies
 
 
@@ -65,7 +68,7 @@ def wait_for_training(proc: subprocess.Popen[str], store: Path, started: bool = 
     """Once every worker runs and (``started``) has joined and loaded its partition: the
     launcher's whole process tree."""
     parent = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + START_S
     while len(worker_processes(parent)) < WORKERS or (started and not training_started(store, WORKERS)):
         if proc.poll() is not None or time.monotonic() >= deadline:
             proc.kill()  # a run of 100,000 rounds would keep communicate() waiting for hours
