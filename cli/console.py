@@ -143,10 +143,9 @@ def training_bars() -> Iterator[tuple[Callable[[Any], None], Callable[[Any], Non
 
 
 def _step(item: Any) -> str:
-    """A bar's name: ``layer 2``, ``layer 2/3`` (layer 2 of the depth-3 run of a depth choice) or ``epochs``."""
-    if not item.layer:
-        return "epochs"
-    return f"layer {item.layer}" + (f"/{item.depth}" if item.depth else "")
+    """A bar's name: ``layer 2`` or ``epochs`` (an end-to-end model), with ``/3`` in a depth choice
+    (of the depth-3 run), so that the two runs' steps differ."""
+    return (f"layer {item.layer}" if item.layer else "epochs") + (f"/{item.depth}" if item.depth else "")
 
 
 def _training_lines() -> tuple[Callable[[Any], None], Callable[[Any], None]]:

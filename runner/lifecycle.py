@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from graphstore.atomic import writer_lock
 from graphstore.catalog import refresh_catalog
@@ -56,6 +57,7 @@ from runner.results import RoundProgress, StageSpec, clear_progress, read_progre
 from runner.worker import WorkerJob
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")  # a progress item
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,11 @@ class LayerProgress:
     state: str  # trained | reused | cached
     seconds: float
     depth: int | None = None  # a depth choice (``runner.depth``): the layers of the run it belongs to
+
+    @property
+    def name(self) -> int | str:
+        """The layer's number, or ``l/depth`` in a depth choice (layer l of the run of that depth)."""
+        return f"{self.layer}/{self.depth}" if self.depth else self.layer
 
 
 def keeps_store(plan: RunPlan, launch: LaunchOptions) -> bool:
@@ -275,17 +282,21 @@ def run_training(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_laye
         return train_run(plan, launch, on_layer, on_round)
     progress = []
     for one in (plan, plan.deeper):
-        tagged = (None if on_layer is None else
-                  lambda item, d=one.config.layers: on_layer(dataclasses.replace(item, depth=d)))
-        rounds = (None if on_round is None else
-                  lambda item, d=one.config.layers: on_round(dataclasses.replace(item, depth=d)))
-        summary, more = train_run(one, launch, tagged, rounds)
-        progress += [dataclasses.replace(p, depth=one.config.layers) for p in more]
+        depth = one.config.layers
+        summary, more = train_run(one, launch, with_depth(on_layer, depth), with_depth(on_round, depth))
+        progress += [dataclasses.replace(p, depth=depth) for p in more]
     if summary is None:
         return None, progress
     choice = depth_choice(plan)
     log.info("%s", choice.describe())
     return choice.kept, progress
+
+
+def with_depth(callback: Callable[[T], None] | None, depth: int) -> Callable[[T], None] | None:
+    """``callback`` hearing each item (a ``LayerProgress`` or ``RoundProgress``) with its run's ``depth`` set."""
+    if callback is None:
+        return None
+    return lambda item: callback(dataclasses.replace(item, depth=depth))
 
 
 def train_run(plan: RunPlan, launch: LaunchOptions = LaunchOptions(), on_layer: OnLayer | None = None,

@@ -63,7 +63,7 @@ def train_task(plan: RunPlan) -> dict[str, object]:
             finished.append(item)
             if progress_id is not None:
                 report(update_progress_artifact, progress_id, 100.0 * len(finished) / layers)
-            logger.info("layer %s: %s (%.1f s)", layer_name(item), item.state, item.seconds)
+            logger.info("layer %s: %s (%.1f s)", item.name, item.state, item.seconds)
             show_layer(item)
 
         summary, progress = run_training(plan, on_layer=on_layer, on_round=show_round)
@@ -77,14 +77,9 @@ def train_task(plan: RunPlan) -> dict[str, object]:
         result["depth"] = {"kept": len(summary.layers), "runs": {len(m.layers): m.fp for m in (choice.shallower,
                                                                                                choice.deeper)}}
     logger.info("run %s: test accuracy %.4f, %d bytes", summary.fp, summary.accuracy("test"), total_bytes)
-    return {"run": summary.fp, "layers": {layer_name(p): p.state for p in progress},
+    return {"run": summary.fp, "layers": {p.name: p.state for p in progress},
             "evaluate": "cached" if already else "done", "test_acc": summary.test_acc,
             "total_bytes": total_bytes, **result}
-
-
-def layer_name(item: LayerProgress) -> int | str:
-    """A layer's key in the task's result: its number, or ``l/depth`` in a depth choice."""
-    return f"{item.layer}/{item.depth}" if item.depth else item.layer
 
 
 @task(name="report", cache_policy=NO_CACHE)

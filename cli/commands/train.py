@@ -79,7 +79,7 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
              f"({m.parts} parts, {m.method or 'whole graph'}, {m.setting})")
     if progress:
         print_table(title, ["layer", "status", "seconds"],
-                    [[f"{p.layer}/{p.depth}" if p.depth else p.layer, p.state, round(p.seconds, 2)] for p in progress])
+                    [[p.name, p.state, round(p.seconds, 2)] for p in progress])
     else:
         out.print(title)
     if m.config.get("task") == "link":
