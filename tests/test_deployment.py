@@ -49,7 +49,7 @@ def prefect_env(tmp_path: Path) -> Iterator[dict[str, str]]:
                               start_new_session=True)
     processes = [server]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:

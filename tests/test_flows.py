@@ -25,7 +25,7 @@ def prefect_server() -> Iterator[None]:
     """One temporary Prefect server (SQLite in a temp folder) for this module's flow runs."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=300):
         yield
 
 

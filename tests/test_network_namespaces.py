@@ -24,7 +24,7 @@ from netns import netns_missing, own_prefix, sites
 from processes import cpu_share
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))]
-TIMEOUT_S = 300
+TIMEOUT_S = 600
 BANDWIDTH_MBIT = 200
 
 

@@ -65,7 +65,7 @@ def prefect_server(prefect_env: dict[str, str], tmp_path: Path) -> Iterator[subp
     server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=prefect_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:

@@ -49,7 +49,7 @@ from runner.provision import provision
 
 pytestmark = pytest.mark.slow
 SITES = 3
-TIMEOUT_S = 300
+TIMEOUT_S = 600
 TRAIN = ("--hidden", 16, "--rounds", 30, "--timeout", 60)
 
 
@@ -392,7 +392,7 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.2)
         procs[1].kill()  # site 1's command dies during layer 2; its worker follows
-        errors = [p.communicate(timeout=120)[1] for p in procs]
+        errors = [p.communicate(timeout=300)[1] for p in procs]
         codes = [p.returncode for p in procs]
     finally:
         for p in procs:
