@@ -3,7 +3,8 @@
 ``model_options`` turns a model's fields into typer options (name, type, default and help all
 from the field); ``with_options`` gives a command those options, and ``collect`` builds the model
 back from the parsed values. A field's ``json_schema_extra["cli"]`` renames its option; a prefix
-keeps groups apart (``--partition-seed`` next to the training ``--seed``); a group may offer some
+keeps groups apart (``--partition-seed`` next to the training ``--seed``); a yes/no/default field
+(``bool | None``) is ``--name/--no-name``; a group may offer some
 of its model's fields only (the others keep their defaults, or values the command gives ``collect``).
 """
 
@@ -45,7 +46,8 @@ def option_name(group: OptionGroup, field: str) -> str:
     extra = info.json_schema_extra or {}
     name = str(extra.get("cli", field)).replace("_", "-")  # type: ignore[union-attr]
     name = name if field in group.unprefixed else f"{group.prefix}{name}"
-    return f"--{name}/--no-{name}" if group.negatable and info.annotation is bool else f"--{name}"
+    tri_state = info.annotation == (bool | None)  # yes, no, or neither (the field's own default)
+    return f"--{name}/--no-{name}" if tri_state or (group.negatable and info.annotation is bool) else f"--{name}"
 
 
 def cli_type(annotation: Any) -> tuple[Any, bool]:

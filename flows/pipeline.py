@@ -36,7 +36,7 @@ def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParam
     store = Store.open(run.store)
     warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
     update: dict[str, object] = {"warm_start": warm}
-    if warm is not None and run.train.choose_depth:  # the promoted model's depth, chosen when it trained
+    if warm is not None and run.train.chooses_depth:  # the promoted model's depth, chosen when it trained
         update.update(choose_depth=False, layers=completed_run(store, warm).config["layers"])
         get_run_logger().info("choose_depth: warm start from the promoted model, at its depth (%s layers)",
                               update["layers"])

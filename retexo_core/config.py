@@ -86,11 +86,13 @@ class TrainConfig(BaseModel):
         "disagree on); 0: any higher validation accuracy. ROC-AUC (two classes) and link scores: any higher "
         "score. See docs/accuracy.md, the search margin.", scope="layer", ge=0)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
-    choose_depth: bool = option(
-        False, "Also train the model one layer deeper (layers + 1) and keep the depth with the higher validation "
+    choose_depth: bool | None = option(
+        None, "Also train the model one layer deeper (layers + 1) and keep the depth with the higher validation "
         "score (the shallower on ties). Layer-wise training reuses the first layers - 1 layers from the store; an "
         "end-to-end strategy trains the whole model again. Both runs stay in the store; the choice's bytes are "
-        "both runs' traffic, shared layers once. See docs/training.md, the depth.", scope="none")
+        "both runs' traffic, shared layers once. Default (neither flag): on with recipe auto for task node, "
+        "layer-wise strategies and centralized, when layers is at most 7, rounds and lr have one value, and "
+        "without warm start or sites; off otherwise. See docs/training.md, the depth.", scope="none")
     hidden: int = option(256, "Hidden size.", scope="layer", ge=1)
     heads: int = option(4, "GAT attention heads.", scope="layer", ge=1)
     dropout: float = option(0.5, "Dropout rate (layer-wise training: on the aggregated inputs of a layer; "
@@ -239,22 +241,32 @@ class TrainConfig(BaseModel):
             raise ValueError(f"warm_start is supported by {', '.join(WARM_STARTABLE)}, not {self.strategy}")
         if self.task == "link":
             self._check_link()
-        if self.choose_depth:
-            self._check_choose_depth()
+        if self.choose_depth and (misfit := self._two_depths_misfit()):
+            raise ValueError(misfit)
         if self.model == "gat" and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) for GAT")
         return self
 
-    def _check_choose_depth(self) -> None:
-        """What ``choose_depth`` needs: room for one more layer, options that fit both depths and no
-        warm start (its parameters fit one depth)."""
+    def _two_depths_misfit(self) -> str | None:
+        """Why this configuration cannot train two depths (None: it can): ``choose_depth`` needs room
+        for one more layer, options that fit both depths and no warm start (its parameters fit one)."""
         if self.layers >= 8:
-            raise ValueError("choose_depth trains layers + 1 too: layers must be at most 7")
+            return "choose_depth trains layers + 1 too: layers must be at most 7"
         if isinstance(self.rounds, list) or isinstance(self.lr, list):
-            raise ValueError("choose_depth trains two depths: give rounds and lr one value each, not one per layer")
+            return "choose_depth trains two depths: give rounds and lr one value each, not one per layer"
         if self.warm_start is not None:
-            raise ValueError("choose_depth trains two depths, and a warm start fits one: drop warm_start or "
-                             "choose_depth")
+            return "choose_depth trains two depths, and a warm start fits one: drop warm_start or choose_depth"
+        return None
+
+    @property
+    def chooses_depth(self) -> bool:
+        """Whether a run of this configuration also trains the run one layer deeper: ``choose_depth``
+        when given, else on where the recipe is searched in full (recipe auto, task node, layer-wise or
+        centralized) and the configuration fits two depths."""
+        if self.choose_depth is not None:
+            return self.choose_depth
+        searched = self.recipe == "auto" and self.task == "node" and (self.is_layerwise or self.strategy == "centralized")
+        return searched and self._two_depths_misfit() is None
 
     def deeper(self) -> "TrainConfig":
         """This configuration one layer deeper, without the choice (``choose_depth``)."""

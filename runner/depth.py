@@ -1,6 +1,7 @@
-"""The depth of a model, chosen on validation (``--choose-depth``).
+"""The depth of a model, chosen on validation (``TrainConfig.chooses_depth``: the default under
+recipe auto, or ``--choose-depth``).
 
-A run with ``choose_depth`` is two runs in the store: its own (``layers`` = L) and the run one layer
+A run that chooses its depth is two runs in the store: its own (``layers`` = L) and the run one layer
 deeper (``RunPlan.deeper``, L + 1), trained after it by the lifecycle. In layer-wise training their
 first L - 1 layers have the same fingerprints (a layer depends on the options of layers 1..l and on
 whether it is the last), so the deeper run links them from the shallower one instead of training
@@ -62,7 +63,7 @@ def shared_bytes(store: Store, deeper: RunManifest, shallower: RunManifest) -> i
 
 def depth_choice(plan: RunPlan) -> DepthChoice:
     """The choice between ``plan``'s run and ``plan.deeper``'s, both completed in the store."""
-    assert plan.deeper is not None, "depth_choice needs a plan with choose_depth"
+    assert plan.deeper is not None, "depth_choice needs a plan that chooses its depth"
     store = plan.store
     shallower, deeper = completed_run(store, plan.run_fp), completed_run(store, plan.deeper.run_fp)
     total = shallower.total_bytes + deeper.total_bytes - shared_bytes(store, deeper, shallower)

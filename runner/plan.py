@@ -110,7 +110,7 @@ def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, 
                      for l in range(1, config.layers + 1)}
     else:
         layer_fps = {l: fingerprint({"run": run_fp, "layer": l}) for l in range(1, config.layers + 1)}
-    deeper = plan_run(store, dataset, partition, config.deeper(), network) if config.choose_depth else None
+    deeper = plan_run(store, dataset, partition, config.deeper(), network) if config.chooses_depth else None
     return RunPlan(
         store_root=str(store.root), run_fp=run_fp, dataset_name=dataset.name, dataset_fp=dataset.fp,
         partition_fp=None if whole else partition.fp,  # type: ignore[union-attr]
@@ -131,6 +131,7 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
                           f"tolerated failures); {config.strategy} needs a central partition")
     if config.choose_depth:
         raise RetexoError("sites train one depth: choose it on a central copy, or train both depths with --layers")
+    config = config.model_copy(update={"choose_depth": False})  # the default: one depth
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
     plan = plan_run(store, dataset, partition, config, network)

@@ -92,9 +92,12 @@ def torch_threads_reset(default_torch_threads: int) -> Iterator[None]:
 
 
 def cli_env() -> dict[str, str]:
-    """Environment for CLI subprocesses: wide terminal (no wrapped messages), no store override."""
+    """Environment for CLI subprocesses: wide terminal (no wrapped messages), no store override, and
+    300 s for a temporary Prefect server to start (a bound on failure: the command's 120 s ran out
+    once while make test's workers loaded both CPUs)."""
     env = {k: v for k, v in os.environ.items() if k != "RETEXO_STORE"}
     env.update(COLUMNS="400", LINES="50", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(REPO))
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
     return env
 
 

@@ -1,5 +1,5 @@
-"""``--choose-depth``: a layer-wise run and the run one layer deeper, the one with the higher
-validation score kept (``runner.depth``).
+"""The depth choice (the default under recipe auto, or ``--choose-depth``): a layer-wise run and the
+run one layer deeper, the one with the higher validation score kept (``runner.depth``).
 
 The deeper run links the layers the two share (same fingerprints) instead of training them, it
 is exactly the plain run with ``layers + 1`` (same fingerprint: a plain run finds it cached),
@@ -102,3 +102,33 @@ def test_sites_and_the_command_line_refuse_it_in_one_line(tiny) -> None:
     result = run_cli("train", dataset.name, "--layers", "8", "--choose-depth", store=store.root)
     assert result.returncode == 2
     assert "layers must be at most 7" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("options", "chooses"), [
+    ({}, True),
+    ({"strategy": "centralized"}, True),
+    ({"strategy": "centralized", "layerwise": True}, True),
+    ({"choose_depth": False}, False),
+    ({"recipe": "default"}, False),
+    ({"strategy": "standard"}, False),
+    ({"strategy": "standard", "choose_depth": True}, True),
+    ({"task": "link"}, False),
+    ({"layers": 8}, False),
+    ({"rounds": [3, 3]}, False),
+    ({"warm_start": "abc"}, False),
+])
+def test_the_default_chooses_the_depth_where_the_recipe_search_runs_and_two_depths_fit(
+        options: dict, chooses: bool) -> None:
+    """Neither flag: on with recipe auto, task node, a layer-wise strategy or centralized, and a
+    configuration that fits two depths; off, without a refusal, everywhere else."""
+    from retexo_core.config import TrainConfig
+
+    assert TrainConfig(**options).chooses_depth is chooses
+
+
+def test_sites_train_one_depth_by_default(tiny) -> None:
+    store, dataset, partition = tiny
+    config = small_config(recipe="auto")
+    assert config.chooses_depth
+    plan = plan_site_run(store, dataset, partition, config, NetworkModel(), 0, 2)
+    assert plan.deeper is None and plan.config.layers == config.layers

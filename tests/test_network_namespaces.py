@@ -65,7 +65,7 @@ def test_two_nodes_in_namespaces_train_what_retexo_train_trains(tmp_path: Path) 
     job = tmp_path / "job.yaml"
     job.write_text(f"dataset: {{name: cora, source: planetoid, path: {CORA_DIR}}}\n"
                    "partition: {method: random, parts: 2}\n"
-                   "train: {hidden: 16, rounds: 30, timeout_s: 60}\n")
+                   "train: {hidden: 16, rounds: 30, timeout_s: 60, choose_depth: false}\n")
     env = {**cli_env(), "GLOO_SOCKET_IFNAME": "eth0"}
     with sites(2, bandwidth_mbit=BANDWIDTH_MBIT) as hosts:
         master = hosts[0].address
@@ -77,7 +77,7 @@ def test_two_nodes_in_namespaces_train_what_retexo_train_trains(tmp_path: Path) 
         shaped = [subprocess.run(site.command("tc", "-s", "qdisc", "show", "dev", "eth0"), capture_output=True,
                                  text=True, timeout=30).stdout for site in hosts]
     trained = run_cli("train", "cora", "--parts", 2, "--partition-method", "random", "--hidden", 16, "--rounds", 30,
-                      "--timeout", 60, store=reference, timeout=TIMEOUT_S)
+                      "--timeout", 60, "--no-choose-depth", store=reference, timeout=TIMEOUT_S)
     assert trained.returncode == 0, trained.stderr
     (run,), (expected,) = store.glob("runs/run=*"), reference.glob("runs/run=*")
     assert run.name == expected.name

@@ -34,7 +34,7 @@ def nightly(store: Path, export: Path, **train: object) -> PipelineParams:
         "store": str(store),
         "dataset": {"name": "export", "source": "tables", "path": str(export), "tables": {"undirected": True}},
         "partition": {"method": "metis", "parts": 2, "stable_from": "previous"},
-        "train": {"hidden": 16, "rounds": 30, "lr": 0.05, "timeout_s": 60, **train},
+        "train": {"hidden": 16, "rounds": 30, "lr": 0.05, "timeout_s": 60, "choose_depth": False, **train},
         "promotion": {"pipeline": "nightly"},
         "retries": 0,
     })

@@ -169,7 +169,7 @@ def test_three_sites_with_their_own_stores_train_what_a_central_column_partition
     central = tmp_path / "central"
     ingest(central, central_tables, "cora-central", remote=False)
     trained = run_cli("train", "cora-central", "--parts", SITES, "--partition-method", "column",
-                      "--partition-column", "site", *TRAIN, store=central, timeout=TIMEOUT_S)
+                      "--partition-column", "site", *TRAIN, "--no-choose-depth", store=central, timeout=TIMEOUT_S)
     assert trained.returncode == 0, trained.stderr
     stores = [tmp_path / f"store{s}" for s in range(SITES)]
     for s in range(SITES):

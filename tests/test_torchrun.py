@@ -43,7 +43,7 @@ def preset(tmp_path: Path, rounds: str) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(f"dataset: {{name: cora, source: planetoid, path: {CORA_DIR}}}\n"
                     "partition: {method: random, parts: 2}\n"
-                    f"train: {{hidden: 16, rounds: {rounds}, timeout_s: 60}}\n")
+                    f"train: {{hidden: 16, rounds: {rounds}, timeout_s: 60, choose_depth: false}}\n")
     return path
 
 
@@ -83,7 +83,7 @@ def test_two_torchrun_nodes_train_what_retexo_train_trains(cora_store: Path, tmp
     finish(start_nodes(job, store, max_restarts=0))
     reference = fresh_store(cora_store, tmp_path / "train")
     trained = run_cli("train", "cora", "--parts", 2, "--partition-method", "random", "--hidden", 16,
-                      "--rounds", 30, "--timeout", 60, store=reference, timeout=300)
+                      "--rounds", 30, "--timeout", 60, "--no-choose-depth", store=reference, timeout=300)
     assert trained.returncode == 0, trained.stderr
     run, expected = the_run(store), the_run(reference)
     assert run.name == expected.name  # the same configuration, partition and fingerprints

@@ -140,7 +140,9 @@ def test_a_killed_worker_fails_the_run_quickly_naming_its_rank(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path) -> None:
+def test_two_worker_launches_as_node_0_and_node_1_train_one_model_at_each_depth(tmp_path: Path) -> None:
+    """Two ``retexo worker`` launches, one per node, train the run and the run one layer deeper
+    (the depth choice, on by default), each over both nodes' ranks."""
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
     config = tmp_path / "job.yaml"
@@ -161,11 +163,13 @@ def test_two_worker_launches_as_node_0_and_node_1_train_one_model(tmp_path: Path
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "node 1: ranks [1] finished" in outputs[1][1]
-    manifests = list((store / "runs").glob("run=*/manifest.json"))
-    assert len(manifests) == 1
-    comm = pd.read_parquet(manifests[0].parent / "comm.parquet")
-    assert set(comm["src"]) == {0, 1}  # both nodes' ranks sent their share
-    assert json.loads(manifests[0].read_text())["test_acc"] > 0.5
+    manifests = {len(json.loads(p.read_text())["layers"]): p for p in (store / "runs").glob("run=*/manifest.json")}
+    assert sorted(manifests) == [2, 3]
+    for manifest in manifests.values():
+        comm = pd.read_parquet(manifest.parent / "comm.parquet")
+        assert set(comm["src"]) == {0, 1}  # both nodes' ranks sent their share
+        assert json.loads(manifest.read_text())["test_acc"] > 0.5
+    assert "depth chosen on validation" in outputs[0][0] + outputs[0][1]
 
 
 def test_finished_layers_are_reused_and_only_changed_layers_retrain(tmp_path: Path, tiny_plan_factory) -> None:

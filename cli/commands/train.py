@@ -133,7 +133,7 @@ def show_preview(preview: Preview) -> None:
         rows += [[f"layer {layer}", state] for layer, state in preview.layer_states.items()]
         if plan.deeper is not None:
             rows.append(["deeper run", f"{plan.deeper.run_fp}: {plan.deeper.config.layers} layers, trained next "
-                                       "(--choose-depth keeps the one with the higher validation score)"])
+                                       "(the depth with the higher validation score is kept; --no-choose-depth: one depth)"])
     else:
         rows.append(["run", "its fingerprint follows from the partition's, once built"])
     for estimate in preview.estimates:
