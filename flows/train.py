@@ -21,18 +21,19 @@ def train(params: RunParams, plan: RunPlan) -> dict[str, object]:
 
 def train_and_report(params: RunParams, baselines: Sequence[Strategy] = ()) -> dict[str, object]:
     """The train task, then the run with each of the ``baselines`` strategies instead
-    (``RunRequest.baseline``; the same task each), then the report task, whose accuracy-vs-bytes
-    plot therefore shows the run next to its baselines. The partition must already be in the
-    store (``partition_flow``). Returns the run's summary with every stage's status and
-    ``compared``: the baselines' run fingerprints."""
+    (``RunRequest.baseline``, at the depth the run kept when it chose one; the same task each),
+    then the report task, whose accuracy-vs-bytes plot therefore shows the run next to its
+    baselines. The partition must already be in the store (``partition_flow``). Returns the run's
+    summary with every stage's status and ``compared``: the baselines' run fingerprints."""
     request = params.request()
     plan = prepare_run(request, partitions="stored", warn=get_run_logger().warning)
     trained = train(params, plan)
     stages = {f"layer {layer}": state for layer, state in trained["layers"].items()}  # type: ignore[union-attr]
     stages["evaluate"] = trained["evaluate"]  # type: ignore[assignment]
     compared = []
+    kept = trained.get("depth", {}).get("kept")  # type: ignore[union-attr]
     for strategy in baselines:
-        result = train(params, prepare_run(request.baseline(strategy), partitions="stored"))
+        result = train(params, prepare_run(request.baseline(strategy, kept), partitions="stored"))
         fresh = any(state != "cached" for state in result["layers"].values())  # type: ignore[union-attr]
         stages[f"compare {strategy}"] = "trained" if fresh else "cached"
         compared.append(str(result["run"]))

@@ -69,10 +69,12 @@ class RunRequest(RunSettings):
         return cls(store=str(store.root), dataset=dataset.fp, partition=options, train=train,
                    network=network or NetworkModel())
 
-    def baseline(self, strategy: Strategy) -> "RunRequest":
+    def baseline(self, strategy: Strategy, layers: int | None = None) -> "RunRequest":
         """This run trained with ``strategy`` instead: the same dataset, partition, network and
-        shared options (model, layers, hidden, learning rate, dropout, seed, ...), no warm start."""
-        train = TrainConfig.model_validate({**self.train.model_dump(), "strategy": strategy, "warm_start": None})
+        shared options (model, layers, hidden, learning rate, dropout, seed, ...), no warm start;
+        ``layers``: at this depth, without a depth choice (the depth the run chose)."""
+        depth = {} if layers is None else {"layers": layers, "choose_depth": False}
+        train = TrainConfig.model_validate({**self.train.model_dump(), "strategy": strategy, "warm_start": None, **depth})
         return self.model_copy(update={"train": train, "cold_start_if_unfit": False})
 
 

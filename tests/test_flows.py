@@ -77,15 +77,19 @@ def test_second_identical_run_is_cached_and_a_layer2_change_retrains_only_layer2
 
 
 def test_a_depth_choice_trains_both_depths_and_reports_the_run_kept_on_validation(tmp_path: Path) -> None:
+    """The baseline compared with the run trains at the depth the run kept."""
     store = tmp_path / "store"
-    result = run(params(store, rounds=3, choose_depth=True))
+    result = run(PipelineParams.model_validate({**params(store, rounds=3, epochs=20).model_dump(), "compare": ["standard"]}))
     assert {k: v for k, v in result["stages"].items() if k.startswith("layer")} == {
         "layer 1/2": "trained", "layer 2/2": "trained", "layer 1/3": "reused", "layer 2/3": "trained",
         "layer 3/3": "trained"}
-    runs = {len(m["layers"]): m for m in (json.loads(p.read_text()) for p in (store / "runs").glob("run=*/manifest.json"))}
+    manifests = [json.loads(p.read_text()) for p in (store / "runs").glob("run=*/manifest.json")]
+    runs = {len(m["layers"]): m for m in manifests if m["strategy"] == "retexo"}
     scores = {depth: next(r["accuracy"] for r in m["evaluation"] if r["split"] == "val") for depth, m in runs.items()}
     kept = 3 if scores[3] > scores[2] else 2
     assert result["run"] == runs[kept]["fp"] and f"run={result['run']}" in result["report"]
+    (standard,) = [m for m in manifests if m["strategy"] == "standard"]  # one depth: the one kept
+    assert result["compared"] == [standard["fp"]] and len(standard["layers"]) == kept
 
 
 def test_deleting_an_artefact_makes_its_stage_run_again(tmp_path: Path) -> None:
