@@ -35,12 +35,11 @@ def with_pipeline_warm_start(params: PipelineParams, run: RunParams) -> RunParam
     model fits this run; a cold start, with a warning, when it does not (``prepare_run``)."""
     store = Store.open(run.store)
     warm = warm_start_for(store, str(params.promotion.pipeline), run.dataset)
-    update: dict[str, object] = {"warm_start": warm}
+    train = TrainConfig.model_validate({**run.train.model_dump(), "warm_start": warm})
     if warm is not None and run.train.chooses_depth:  # the promoted model's depth, chosen when it trained
-        update.update(choose_depth=False, layers=completed_run(store, warm).config["layers"])
+        train = train.at_depth(completed_run(store, warm).config["layers"])
         get_run_logger().info("choose_depth: warm start from the promoted model, at its depth (%s layers)",
-                              update["layers"])
-    train = TrainConfig.model_validate({**run.train.model_dump(), **update})
+                              train.layers)
     return run.model_copy(update={"train": train, "cold_start_if_unfit": True})
 
 

@@ -268,9 +268,13 @@ class TrainConfig(BaseModel):
         searched = self.recipe == "auto" and self.task == "node" and (self.is_layerwise or self.strategy == "centralized")
         return searched and self._two_depths_misfit() is None
 
+    def at_depth(self, layers: int) -> "TrainConfig":
+        """This configuration with ``layers`` layers, one depth (no ``choose_depth``)."""
+        return self.model_copy(update={"layers": layers, "choose_depth": False})
+
     def deeper(self) -> "TrainConfig":
-        """This configuration one layer deeper, without the choice (``choose_depth``)."""
-        return self.model_copy(update={"layers": self.layers + 1, "choose_depth": False})
+        """This configuration one layer deeper, without the choice."""
+        return self.at_depth(self.layers + 1)
 
     def _check_link(self) -> None:
         """What the link task supports so far (each a one-line refusal)."""

@@ -73,8 +73,9 @@ class RunRequest(RunSettings):
         """This run trained with ``strategy`` instead: the same dataset, partition, network and
         shared options (model, layers, hidden, learning rate, dropout, seed, ...), no warm start;
         ``layers``: at this depth, without a depth choice (the depth the run chose)."""
-        depth = {} if layers is None else {"layers": layers, "choose_depth": False}
-        train = TrainConfig.model_validate({**self.train.model_dump(), "strategy": strategy, "warm_start": None, **depth})
+        train = TrainConfig.model_validate({**self.train.model_dump(), "strategy": strategy, "warm_start": None})
+        if layers is not None:
+            train = train.at_depth(layers)
         return self.model_copy(update={"train": train, "cold_start_if_unfit": False})
 
 
