@@ -4,6 +4,7 @@ and warm start (including its 0-round evaluation form)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,6 +131,31 @@ def test_the_gate_refuses_a_worse_model_and_promotes_within_tolerance(tmp_path: 
     assert state == "COMPLETED" and accepted["promotion"]["decision"] == "promoted"
     assert accepted["promotion"]["promoted_run"] == worse["run"]
     assert sql(store, "SELECT run FROM current_predictions LIMIT 1") == [(worse["run"],)]
+
+
+def test_a_warm_started_night_trains_one_depth_the_promoted_models(tmp_path: Path) -> None:
+    """With the depth choice on (the default) a cold night trains two depths and promotes the kept
+    one; with ``promotion.warm_start`` the next night starts from that model, at its depth, and
+    trains that depth alone."""
+    store, export = tmp_path / "store", tmp_path / "export"
+    export.mkdir()
+    params = nightly(store, export, layers=1, choose_depth=None).model_dump()  # depths 1 and 2: 2 is kept
+    params["promotion"] = {"pipeline": "nightly", "warm_start": True, "tolerance": 1.0}
+    publish(export, 1, tmp_path)
+    state, first = run(PipelineParams.model_validate(params))
+    assert state == "COMPLETED" and first["promotion"]["decision"] == "promoted"
+    publish(export, 2, tmp_path)
+    state, second = run(PipelineParams.model_validate(params))
+    assert state == "COMPLETED" and second["promotion"]["decision"] == "promoted"
+
+    runs = [json.loads(p.read_text()) for p in store.glob("runs/run=*/manifest.json")]
+    def trained(dataset: object) -> list[dict[str, object]]:  # the evaluation run of the incumbent has 0 rounds
+        return [r for r in runs if r["dataset"] == dataset and r["config"]["rounds"] > 0]
+    promoted = next(r for r in runs if r["fp"] == first["run"])
+    assert sorted(r["config"]["layers"] for r in trained(first["dataset"])) == [1, 2]
+    (warm,) = trained(second["dataset"])
+    assert warm["fp"] == second["run"] and warm["config"]["warm_start"] == first["run"]
+    assert warm["config"]["layers"] == promoted["config"]["layers"] == 2
 
 
 def test_nightly_link_retraining_gates_on_validation_roc_auc(tmp_path: Path) -> None:
