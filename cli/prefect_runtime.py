@@ -15,7 +15,8 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
   (``flows.local_run.note_outcome``; ``PrefectApiLost``, exit code 2), seconds after the work ends.
 - The temporary API server is a child process that Prefect stops when this process exits; this
   process's ``runner.descendant_guard`` stops it (and any other descendant) when this process is
-  killed.
+  killed. It starts with its libraries' log records below CRITICAL off (``quiet_temporary_server``):
+  stopped at exit, its database pool could print a traceback after the command's last line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 EPHEMERAL_STARTUP_TIMEOUT_S = 120
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+QUIET_SERVER_ENV = "PREFECT_LOGGING_ROOT_LEVEL"  # the root logger's level in Prefect's logging.yml
 
 
 class PrefectUnavailable(RetexoError):
@@ -138,13 +141,30 @@ def api_lost_message(cause: BaseException, raised: BaseException) -> str:
             f"so the flow run's state was not recorded; {done}")
 
 
+@contextmanager
+def quiet_temporary_server() -> Iterator[None]:
+    """While the temporary API server starts, its process is given ``QUIET_SERVER_ENV``, so that it
+    prints no library's log record below CRITICAL: when Prefect stops it at exit, its database pool
+    may log a cancelled connection reset as a traceback on this command's stderr. Its own loggers
+    (``prefect.server``, uvicorn) keep their levels, and this process's logging is set up already."""
+    if os.environ.get("PREFECT_API_URL") or QUIET_SERVER_ENV in os.environ:
+        yield
+        return
+    os.environ[QUIET_SERVER_ENV] = "CRITICAL"
+    try:
+        yield
+    finally:
+        os.environ.pop(QUIET_SERVER_ENV, None)
+
+
 def reach_api(first_call: Callable[[], Any]) -> None:
     """``first_call()``, the first use of the Prefect API here (it starts the temporary server when
     no PREFECT_API_URL is set); one line of advice when the API cannot be started or reached."""
     import httpx
 
     try:
-        first_call()
+        with quiet_temporary_server():
+            first_call()
     except RuntimeError as exc:
         if "ephemeral Prefect API server" not in str(exc):
             raise
