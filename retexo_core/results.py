@@ -5,9 +5,8 @@ Each rank writes its own rows of a layer (embeddings per view, its communication
 rank has written (an uncounted barrier), rank 0 commits the layer with the model, the training
 curves, the evaluation and a summary. A rank reads back only its own rows of earlier layers.
 In a run of sites, each with its own store (``every_rank_commits``), every rank commits its own
-layer folder, with the model of a layer-wise layer (every site trained it); rank 0's (the
-coordinator's) also holds the end-to-end model, curves, evaluation and every site's byte totals
-(``gather_traffic``).
+layer folder; rank 0's (the coordinator's) also holds the model, curves, evaluation and every
+site's byte totals (``gather_traffic``).
 """
 
 from __future__ import annotations

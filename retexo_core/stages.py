@@ -159,8 +159,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
                                recipe=result.recipe)
         if ctx.comm.rank == 0:
             sink.commit_layer(summary, host_state(result.module.state_dict()), history_table(ctx, layer), evaluation)
-        elif sink.every_rank_commits:  # every site holds the model it trained (a resumed launch reads its head)
-            sink.commit_layer(summary, host_state(result.module.state_dict()), None, None)
+        elif sink.every_rank_commits:
+            sink.commit_layer(summary, None, None, None)
         log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far, %d rounds in %.3f s%s",
                  layer, result.best_round, result.best_val, ctx.comm.log.total_bytes(), result.loop_rounds,
                  result.loop_seconds, peak_memory_note(ctx.device))
