@@ -4,7 +4,6 @@ and warm start (including its 0-round evaluation form)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from conftest import write_table_version
 from flows.params import PipelineParams
 from graphstore.sql_query import query
 from graphstore.layout import Store
+from graphstore.lookup import completed_run, dataset_runs
 
 # one worker runs the whole module: its tests share the temporary Prefect server below
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow,
@@ -148,14 +148,14 @@ def test_a_warm_started_night_trains_one_depth_the_promoted_models(tmp_path: Pat
     state, second = run(PipelineParams.model_validate(params))
     assert state == "COMPLETED" and second["promotion"]["decision"] == "promoted"
 
-    runs = [json.loads(p.read_text()) for p in store.glob("runs/run=*/manifest.json")]
-    def trained(dataset: object) -> list[dict[str, object]]:  # the evaluation run of the incumbent has 0 rounds
-        return [r for r in runs if r["dataset"] == dataset and r["config"]["rounds"] > 0]
-    promoted = next(r for r in runs if r["fp"] == first["run"])
-    assert sorted(r["config"]["layers"] for r in trained(first["dataset"])) == [1, 2]
-    (warm,) = trained(second["dataset"])
-    assert warm["fp"] == second["run"] and warm["config"]["warm_start"] == first["run"]
-    assert warm["config"]["layers"] == promoted["config"]["layers"] == 2
+    trained = {night["dataset"]: [r for r in dataset_runs(Store.open(store), str(night["dataset"]))
+                                  if r.config["rounds"] > 0]  # not the incumbent's 0-round evaluation run
+               for night in (first, second)}
+    assert sorted(r.config["layers"] for r in trained[first["dataset"]]) == [1, 2]
+    promoted = completed_run(Store.open(store), str(first["run"]))
+    (warm,) = trained[second["dataset"]]
+    assert warm.fp == second["run"] and warm.config["warm_start"] == first["run"]
+    assert warm.config["layers"] == promoted.config["layers"] == 2
 
 
 def test_nightly_link_retraining_gates_on_validation_roc_auc(tmp_path: Path) -> None:
