@@ -23,7 +23,7 @@ from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
 from retexo_core.halo import VIEWS
-from retexo_core.models import Features
+from retexo_core.models import Features, head_state
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
@@ -135,12 +135,17 @@ def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
 def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> None:
     rank, cfg = ctx.data.part, ctx.config
     own = own_inputs(ctx, layers[0], sink)
+    node_task = ctx.link is None
+    # the last layer starts from the previous layer's auxiliary head (task node; read from the run's
+    # stored layer when this launch starts at the last layer)
+    head = sink.stored_head(layers[0] - 1) if node_task and 1 < layers[0] == cfg.layers else None
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
-        kinds = (LinkInputs, LinkFit) if ctx.link is not None else (LayerInputs, LayerFit)
+        kinds = (LayerInputs, LayerFit) if node_task else (LinkInputs, LinkFit)
         with layer_fits(ctx.device, layer, ctx.comm.world):
-            result = train_layer(ctx, layer, own, sink.initial_state(layer), kinds)
+            result = train_layer(ctx, layer, own, sink.initial_state(layer), kinds, head)
+        head = head_state(result.module) if node_task else None
         last = layer == cfg.layers
         evaluation = evaluate(ctx, result.outputs, result.link_embeddings) if last else None
         if last:

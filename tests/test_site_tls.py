@@ -230,6 +230,33 @@ def test_a_site_that_goes_away_is_named_by_the_others(job: Path) -> None:
         close_all(formed)
 
 
+def test_a_site_that_stops_because_another_went_away_is_named_after_it(job: Path) -> None:
+    """Site 2 dies; site 0 learns it first and leaves with a goodbye that says why; site 1, which
+    then turns to site 0 first, names site 2 (whose link ended first), then site 0 and its reason
+    (the goodbye read although the connection closed right after it)."""
+    formed = form_all([job / f"site-{r}" for r in range(3)], free_port())
+    try:
+        assert all(isinstance(m, SiteMesh) for m in formed.values()), formed
+        meshes: list[SiteMesh] = [formed[r] for r in range(3)]  # type: ignore[misc]
+        meshes[2].links[0].sock.close()
+        meshes[2].links[1].sock.close()
+        deadline = time.monotonic() + 20
+        while meshes[1].links[2].gone() is None or meshes[0].links[2].gone() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError) as first:
+            MeshTransport(meshes[0]).barrier(WAIT)
+        meshes[0].close(f"error: {first.value}")
+        with pytest.raises(RuntimeError) as second:
+            MeshTransport(meshes[1]).barrier(WAIT)
+        assert re.match(r"^site 2 \(lab\) went away: it closed the connection$", str(first.value)), first.value
+        said = str(second.value).split("; ")
+        assert said[0] == "site 2 (lab) went away: it closed the connection", said
+        assert said[1].startswith("site 0 (") and " went away: it stopped because error: site 2 (lab) went away" in said[1], said
+    finally:
+        close_all(formed)
+
+
 FROZEN_SITE = """
 import sys, time
 from pathlib import Path

@@ -175,6 +175,51 @@ def test_gat_attention_dropout_acts_only_while_training() -> None:
     assert not torch.allclose(first, plain(x, graph, torch.Generator().manual_seed(5)))
 
 
+@pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
+def test_a_last_block_with_a_skip_started_from_the_head_predicts_what_the_head_predicted(model: str) -> None:
+    """``start_from_head``: a GCN or GAT block's skip path takes the head, its neighbour path starts
+    at zero, so its outputs equal the auxiliary head's logits on the node's own row; a block
+    without a skip connection, and SAGE, are left as drawn."""
+    from retexo_core.halo import in_degree
+    from retexo_core.models import head_state, local_graph, start_from_head
+
+    rng = np.random.default_rng(2)
+    src, dst = rng.integers(0, 30, 150), rng.integers(0, 30, 150)
+    graph = local_graph(model, src, dst, torch.from_numpy(in_degree(30, src, dst)), 30)
+    torch.manual_seed(0)
+    hidden = LayerWithHead(Block(model, 6, 8, 2, 0.0, last=False), C)
+    h = torch.randn(30, 8)
+    if model != "sage":
+        last = Block(model, 8, C, 2, 0.0, last=True, skip=True)
+        assert start_from_head(last, head_state(hidden))
+        last.eval(), hidden.eval()
+        torch.testing.assert_close(last(h, graph), hidden.logits(h), rtol=0, atol=1e-6)
+    plain = Block(model, 8, C, 2, 0.0, last=True)
+    drawn = {k: v.clone() for k, v in plain.state_dict().items()}
+    assert not start_from_head(plain, head_state(hidden))
+    assert all(torch.equal(v, drawn[k]) for k, v in plain.state_dict().items())
+
+
+def test_the_last_layer_starts_from_the_head_in_memory_and_from_the_store(tiny) -> None:
+    """With a negligible learning rate the last layer (GCN with a skip connection) predicts what
+    layer 1's auxiliary head predicts: after layer 1 in the same launch, and in a launch that trains
+    it alone (layer 1 linked from the first run: only layer 2's rounds differ), which reads the
+    head from the store."""
+    store, dataset, partition = tiny
+    runs = [train(store, dataset, partition, small_config(skip=True, rounds=[4, r], lr=[0.05, 1e-9])) for r in (2, 3)]
+    second = json.loads((store.run_dir(runs[1].run_fp) / "manifest.json").read_text())
+    assert second["layers"][0]["reused_from"] == f"runs/run={runs[0].run_fp}/layer=1"
+    state = torch.load(store.layer_dir(runs[0].run_fp, 1) / "model.pt", weights_only=True)
+    for part in range(K):
+        ids, views = read_embeddings(store.embeddings_path(runs[0].run_fp, 1, part))
+        probabilities = torch.softmax(torch.from_numpy(views["full"]) @ state["head.weight"].t() + state["head.bias"], 1)
+        for plan in runs:
+            predicted = pq.read_table(store.layer_dir(plan.run_fp, 2) / f"part={part}" / "predictions.parquet").to_pandas()
+            assert np.array_equal(predicted["node_id"].to_numpy(), ids)
+            assert np.array_equal(predicted["predicted"].to_numpy(), probabilities.argmax(1).numpy())
+            np.testing.assert_allclose(predicted["score"].to_numpy(), probabilities.max(1).values.numpy(), atol=1e-5)
+
+
 def test_weight_decay_reaches_only_the_first_block_by_default() -> None:
     """Kipf & Welling's recipe: with zero loss gradients, one Adam step moves the first block's
     parameters (weight decay) and leaves the others exactly where they were."""

@@ -272,6 +272,7 @@ class Link:
         self._out: deque[memoryview] = deque()
         self._inbox: deque[tuple[int, bytearray]] = deque()
         self._gone: str | None = None  # why the link ended
+        self.gone_at: float | None = None  # when (monotonic s) this site learnt it
         self._closing = False
         self._leaving = ""  # why this site stops (sent in the goodbye); empty: it finished
         self.last_heard = time.monotonic()
@@ -305,7 +306,7 @@ class Link:
                     raise RuntimeError(f"{self.peer} went away: {self._gone}")
                 now = time.monotonic()
                 if now - self.last_heard > self.hang_timeout_s:
-                    self._gone = f"no heartbeat for {now - self.last_heard:.0f} s (frozen, or its link is cut)"
+                    self._set_gone(f"no heartbeat for {now - self.last_heard:.0f} s (frozen, or its link is cut)")
                     raise RuntimeError(f"{self.peer}: {self._gone}")
                 if now > deadline:
                     raise RuntimeError(f"waited {timeout.total_seconds():g} s for {self.peer} ({op})")
@@ -363,13 +364,17 @@ class Link:
             pass
 
     def _read(self, sock: ssl.SSLSocket, buffer: bytearray) -> None:
+        """Read what arrived and deliver its whole frames; ``ConnectionError`` at the end of the
+        stream, after the frames that came before it (a goodbye just before the close is read)."""
+        closed = False
         for _ in range(64):  # at most 64 MB before the pump writes again
             try:
                 chunk = sock.recv(CHUNK)
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             if not chunk:
-                raise ConnectionError("it closed the connection")
+                closed = True
+                break
             buffer += chunk
         position, frames = 0, []
         while len(buffer) - position >= HEADER.size:
@@ -386,9 +391,11 @@ class Link:
                 if kind == DATA:
                     self._inbox.append((op, payload))
                 elif kind == BYE:
-                    self._gone = self._gone or (f"it stopped because {payload.decode(errors='replace')}" if payload
-                                                else "it finished and left")
+                    self._set_gone(f"it stopped because {payload.decode(errors='replace')}" if payload
+                                   else "it finished and left")
             self._condition.notify_all()
+        if closed:
+            raise ConnectionError("it closed the connection")
 
     def _write(self, sock: ssl.SSLSocket) -> float | None:
         """Write what is queued until the socket would block; the time of the last write, if any."""
@@ -409,10 +416,19 @@ class Link:
                 else:
                     self._out[0] = view[n:]
 
+    def _set_gone(self, reason: str) -> None:
+        """The link's end and why (the first reason stays); call with ``_condition`` held."""
+        if self._gone is None:
+            self._gone, self.gone_at = reason, time.monotonic()
+
+    def gone(self) -> str | None:
+        """``"<peer> went away: <why>"`` once the link ended, else None."""
+        with self._condition:
+            return None if self._gone is None else f"{self.peer} went away: {self._gone}"
+
     def _end(self, reason: str) -> None:
         with self._condition:
-            if self._gone is None:
-                self._gone = reason
+            self._set_gone(reason)
             self._condition.notify_all()
 
     def close(self, reason: str = "", timeout_s: float = 30.0) -> None:
@@ -511,15 +527,41 @@ class MeshTransport:
         self.rank = mesh.me.rank
 
     def all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], timeout: timedelta) -> list[torch.Tensor]:
-        links = self.mesh.links
-        for j, link in links.items():
-            link.send("all_to_all", send[j].detach().contiguous().reshape(-1).numpy().tobytes())
-        received = {j: _tensor(link.take("all_to_all", recv_sizes[j], timeout)) for j, link in links.items()}
+        self._send_all("all_to_all", {j: send[j].detach().contiguous().reshape(-1).numpy().tobytes()
+                                      for j in self.mesh.links})
+        received = {j: _tensor(payload) for j, payload in self._take_all("all_to_all", recv_sizes, timeout).items()}
         received[self.rank] = send[self.rank].detach().reshape(-1).clone()
         return [received[j] for j in range(self.mesh.world)]
 
     def barrier(self, timeout: timedelta) -> None:
-        for link in self.mesh.links.values():
-            link.send("barrier", b"")
-        for link in self.mesh.links.values():
-            link.take("barrier", 0, timeout)
+        self._send_all("barrier", dict.fromkeys(self.mesh.links, b""))
+        self._take_all("barrier", [0] * self.mesh.world, timeout)
+
+    def _send_all(self, op: str, payloads: dict[int, bytes]) -> None:
+        """Queue ``payloads[j]`` for every peer j (``_naming_earlier`` when a link has ended)."""
+        for j, link in self.mesh.links.items():
+            try:
+                link.send(op, payloads[j])
+            except RuntimeError as exc:
+                raise self._naming_earlier(j, exc) from exc
+
+    def _take_all(self, op: str, sizes: list[int], timeout: timedelta) -> dict[int, bytearray]:
+        """Every peer's next ``op`` frame, peer by peer (``_naming_earlier`` when one fails)."""
+        received = {}
+        for j, link in self.mesh.links.items():
+            try:
+                received[j] = link.take(op, sizes[j], timeout)
+            except RuntimeError as exc:
+                raise self._naming_earlier(j, exc) from exc
+        return received
+
+    def _naming_earlier(self, failed: int, exc: RuntimeError) -> RuntimeError:
+        """``exc`` (peer ``failed``'s link) after the peers whose links ended before that one's, in
+        the order they ended: when a site dies, a second site may stop because of it before a third
+        site turns to the first, and the third then names the site that went away first."""
+        links = self.mesh.links
+        ended = links[failed].gone_at
+        ended = time.monotonic() if ended is None else ended
+        earlier = sorted((link for k, link in links.items() if k != failed and link.gone_at is not None
+                          and link.gone_at <= ended), key=lambda link: link.gone_at or 0.0)
+        return RuntimeError("; ".join([*(str(link.gone()) for link in earlier), str(exc)]))

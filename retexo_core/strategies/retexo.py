@@ -5,7 +5,9 @@ layer l-1 embeddings after that; inductive runs exchange each view's embeddings 
 visible in that view); (2) GCN and SAGE aggregate those frozen inputs once (Â·X, or the neighbour
 mean next to the node's own row), peer by peer as the halo rows arrive, so that a worker never
 holds all of its halo's rows; GAT keeps its inputs and propagates every round; (3) R_l rounds
-of training of ``block_l + head`` on the train nodes (dropout on the aggregates), with gradient sync
+of training of ``block_l + head`` (the last layer: ``block_L``, which starts as layer L-1's head on
+the node's own row where it has an own-row path, ``models.start_from_head``) on the train nodes
+(dropout on the aggregates), with gradient sync
 every round (``sync=grad``) or local steps with model averaging every ``sync_every`` rounds
 (``sync=avg``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
 best validation accuracy are kept; (5) the owned nodes' outputs in every view become the next
@@ -34,10 +36,12 @@ from retexo_core.models import (
     Aggregated,
     Block,
     Features,
+    HeadState,
     LayerWithHead,
     layer_dims,
     partial_aggregate,
     seeded,
+    start_from_head,
 )
 from retexo_core.recipe import apply_knobs, search_for
 from retexo_core.sparse import SparseMatrix
@@ -369,9 +373,12 @@ class LayerFit:
 
 
 def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None = None,
-                kinds: tuple[type[LayerInputs], type[LayerFit]] = (LayerInputs, LayerFit)) -> LayerResult:
+                kinds: tuple[type[LayerInputs], type[LayerFit]] = (LayerInputs, LayerFit),
+                previous_head: HeadState | None = None) -> LayerResult:
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
-    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are).
+    from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are),
+    else, for the last layer, from ``previous_head`` (the previous layer's auxiliary head:
+    ``models.start_from_head``) where its candidate has an own-row path.
 
     The layer's recipe candidates (``recipe.search_for``) all train from the same initial parameters
     on inputs prepared from the same single halo exchange (one preparation per ``features``
@@ -396,7 +403,8 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     kept: LayerFit | None = None
     fits = []
     while (candidate := search.next()) is not None:
-        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]], fit_kind)
+        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]], fit_kind,
+                        previous_head)
         fits.append(fit)
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
@@ -418,12 +426,16 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
 
 
 def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
-              knobs: dict[str, object], inputs: LayerInputs, fit_kind: type[LayerFit] = LayerFit) -> LayerFit:
-    """A candidate's module (the layer's initial parameters) on its own copy of the prepared inputs."""
+              knobs: dict[str, object], inputs: LayerInputs, fit_kind: type[LayerFit] = LayerFit,
+              previous_head: HeadState | None = None) -> LayerFit:
+    """A candidate's module (the layer's initial parameters, or for the last layer the previous
+    layer's head where it fits) on its own copy of the prepared inputs."""
     mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
     module = new_layer(mine, layer, own["full"].shape[1])
     if initial is not None:
         module.load_state_dict(initial)
+    elif previous_head is not None and module.head is None:
+        start_from_head(module.block, previous_head)
     prepared = copy.copy(inputs)
     prepared.block = module.block
     return fit_kind(mine, layer, module, prepared)
