@@ -43,9 +43,10 @@ class ResultSink(Protocol):
                    comm: pa.Table) -> None:
         """Store this part's rows of layer ``layer`` (views as above) and what this rank sent."""
 
-    def stored_head(self, layer: int) -> dict[str, torch.Tensor] | None:
-        """The auxiliary head's parameters ("weight", "bias") of this run's stored hidden layer
-        ``layer`` (committed by an earlier launch, or linked from another run)."""
+    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
+        """The auxiliary head's parameters ("weight" (classes, hidden), "bias" (classes,)) of this
+        run's stored hidden layer ``layer`` (committed by an earlier launch, or linked from another
+        run); read by rank 0 only, which holds the models at sites too."""
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
         """The parameters layer ``layer`` (end-to-end: block ``layer``) starts from: the warm-start

@@ -23,7 +23,7 @@ from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
 from retexo_core.halo import VIEWS
-from retexo_core.models import Features, head_state
+from retexo_core.models import Features, HeadState, head_state
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
@@ -132,13 +132,31 @@ def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
     return ctx.comm.log.to_table().slice(start), len(ctx.comm.log.rows)
 
 
+def stored_head(ctx: WorkerContext, sink: ResultSink, layer: int) -> HeadState:
+    """The auxiliary head of the run's stored hidden layer ``layer``, for a launch that starts at the
+    last layer: rank 0 reads it (at sites only the coordinator stores models) and sends it to every
+    other rank as one (classes, hidden + 1) float32 ``control`` message (weight, then bias), logged
+    at the launch's layer."""
+    comm, classes, hidden = ctx.comm, ctx.data.num_classes, ctx.config.hidden
+    packed = None
+    if comm.rank == 0:
+        head = sink.stored_head(layer)
+        packed = torch.cat([head["weight"], head["bias"][:, None]], 1).float()
+    received = comm.exchange([packed if j else None for j in range(comm.world)],
+                             [(classes, hidden + 1) if comm.rank and j == 0 else None for j in range(comm.world)],
+                             torch.float32, "control")
+    packed = received[0] if comm.rank else packed
+    assert packed is not None
+    return {"weight": packed[:, :hidden].contiguous(), "bias": packed[:, hidden].contiguous()}
+
+
 def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> None:
     rank, cfg = ctx.data.part, ctx.config
     own = own_inputs(ctx, layers[0], sink)
     node_task = ctx.link is None
-    # the last layer starts from the previous layer's auxiliary head (task node; read from the run's
-    # stored layer when this launch starts at the last layer)
-    head = sink.stored_head(layers[0] - 1) if node_task and 1 < layers[0] == cfg.layers else None
+    # the last layer starts from the previous layer's auxiliary head (node task, no warm start)
+    resumed_at_last = node_task and cfg.warm_start is None and 1 < layers[0] == cfg.layers
+    head = stored_head(ctx, sink, layers[0] - 1) if resumed_at_last else None
     log_start = 0
     for layer in layers:
         started = time.perf_counter()

@@ -146,13 +146,13 @@ class RunFolder:
         fsync_tree(folder)
         record_digests(folder.parent, [f"part={part}/embeddings.parquet", f"part={part}/comm.parquet"], f"rank-{part}")
 
-    def stored_head(self, layer: int) -> dict[str, torch.Tensor] | None:
+    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
         import torch
 
         folder = Store(Path(self.store_root)).layer_dir(self.run_fp, layer)
         verify_files(folder, ["model.pt"], LayerManifest)
         state = torch.load(folder / "model.pt", weights_only=True)
-        return {"weight": state["head.weight"], "bias": state["head.bias"]} if "head.weight" in state else None
+        return {"weight": state["head.weight"], "bias": state["head.bias"]}
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
         import torch

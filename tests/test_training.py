@@ -203,12 +203,18 @@ def test_a_last_block_with_a_skip_started_from_the_head_predicts_what_the_head_p
 def test_the_last_layer_starts_from_the_head_in_memory_and_from_the_store(tiny) -> None:
     """With a negligible learning rate the last layer (GCN with a skip connection) predicts what
     layer 1's auxiliary head predicts: after layer 1 in the same launch, and in a launch that trains
-    it alone (layer 1 linked from the first run: only layer 2's rounds differ), which reads the
-    head from the store."""
+    it alone (layer 1 linked from the first run: only layer 2's rounds differ), where rank 0 reads
+    the head from the store and sends it to each other rank: one control message of C x (HIDDEN + 1)
+    float32 values."""
     store, dataset, partition = tiny
     runs = [train(store, dataset, partition, small_config(skip=True, rounds=[4, r], lr=[0.05, 1e-9])) for r in (2, 3)]
     second = json.loads((store.run_dir(runs[1].run_fp) / "manifest.json").read_text())
     assert second["layers"][0]["reused_from"] == f"runs/run={runs[0].run_fp}/layer=1"
+    head_bytes = C * (HIDDEN + 1) * 4  # not a multiple of 8: no other control message has this size
+    for plan, expected in zip(runs, ([], [(0, dst, 2) for dst in range(1, K)])):
+        logged = pq.read_table(store.run_dir(plan.run_fp) / "comm.parquet").to_pandas()
+        heads = logged[(logged["kind"] == "control") & (logged["bytes"] == head_bytes)]
+        assert list(zip(heads["src"], heads["dst"], heads["layer"])) == expected
     state = torch.load(store.layer_dir(runs[0].run_fp, 1) / "model.pt", weights_only=True)
     for part in range(K):
         ids, views = read_embeddings(store.embeddings_path(runs[0].run_fp, 1, part))
