@@ -155,8 +155,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     own = own_inputs(ctx, layers[0], sink)
     node_task = ctx.link is None
     # the last layer starts from the previous layer's auxiliary head (node task, no warm start)
-    resumed_at_last = node_task and cfg.warm_start is None and 1 < layers[0] == cfg.layers
-    head = stored_head(ctx, sink, layers[0] - 1) if resumed_at_last else None
+    starts_at_last = node_task and cfg.warm_start is None and 1 < layers[0] == cfg.layers
+    head = stored_head(ctx, sink, layers[0] - 1) if starts_at_last else None
     log_start = 0
     for layer in layers:
         started = time.perf_counter()
