@@ -233,7 +233,8 @@ def test_a_site_that_goes_away_is_named_by_the_others(job: Path) -> None:
 def test_a_site_that_stops_because_another_went_away_is_named_after_it(job: Path) -> None:
     """Site 2 dies; site 0 learns it first and leaves with a goodbye that says why; site 1, which
     then turns to site 0 first, names site 2 (whose link ended first), then site 0 and its reason
-    (the goodbye read although the connection closed right after it)."""
+    (the goodbye read although the connection closed right after it). Site 1 waits until it has
+    heard both, as a site busy computing would before its next exchange."""
     formed = form_all([job / f"site-{r}" for r in range(3)], free_port())
     try:
         assert all(isinstance(m, SiteMesh) for m in formed.values()), formed
@@ -247,6 +248,9 @@ def test_a_site_that_stops_because_another_went_away_is_named_after_it(job: Path
         with pytest.raises(RuntimeError) as first:
             MeshTransport(meshes[0]).barrier(WAIT)
         meshes[0].close(f"error: {first.value}")
+        while meshes[1].links[0].gone() is None:  # site 1 has heard site 0 leave
+            assert time.monotonic() < deadline + 20
+            time.sleep(0.05)
         with pytest.raises(RuntimeError) as second:
             MeshTransport(meshes[1]).barrier(WAIT)
         assert re.match(r"^site 2 \(lab\) went away: it closed the connection$", str(first.value)), first.value
