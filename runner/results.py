@@ -146,23 +146,21 @@ class RunFolder:
         fsync_tree(folder)
         record_digests(folder.parent, [f"part={part}/embeddings.parquet", f"part={part}/comm.parquet"], f"rank-{part}")
 
-    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
+    def _stored_model(self, run_fp: str, layer: int) -> dict[str, torch.Tensor]:
+        """``model.pt`` of run ``run_fp``'s layer ``layer``, hashed against its layer manifest first."""
         import torch
 
-        folder = Store(Path(self.store_root)).layer_dir(self.run_fp, layer)
+        folder = Store(Path(self.store_root)).layer_dir(run_fp, layer)
         verify_files(folder, ["model.pt"], LayerManifest)
-        state = torch.load(folder / "model.pt", weights_only=True)
+        return torch.load(folder / "model.pt", weights_only=True)
+
+    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
+        state = self._stored_model(self.run_fp, layer)
         return {"weight": state["head.weight"], "bias": state["head.bias"]}
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
-        import torch
-
         warm = self.config.warm_start
-        if warm is None:
-            return None
-        folder = Store(Path(self.store_root)).layer_dir(warm, layer)
-        verify_files(folder, ["model.pt"], LayerManifest)
-        return torch.load(folder / "model.pt", weights_only=True)
+        return None if warm is None else self._stored_model(warm, layer)
 
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
         """``ResultSink.progress``: this rank's position and its best val accuracy so far, in

@@ -6,7 +6,7 @@ visible in that view); (2) GCN and SAGE aggregate those frozen inputs once (Â·
 mean next to the node's own row), peer by peer as the halo rows arrive, so that a worker never
 holds all of its halo's rows; GAT keeps its inputs and propagates every round; (3) R_l rounds
 of training of ``block_l + head`` (the last layer: ``block_L``, which starts as layer L-1's head on
-the node's own row where it has an own-row path, ``models.start_from_head``) on the train nodes
+the node's own row where it has a skip connection, ``models.start_from_head``) on the train nodes
 (dropout on the aggregates), with gradient sync
 every round (``sync=grad``) or local steps with model averaging every ``sync_every`` rounds
 (``sync=avg``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
@@ -378,7 +378,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     """Layer ``layer`` from this rank's own inputs ``own`` (its halo exchange included), starting
     from the parameters ``initial`` when given (warm start; with 0 rounds they are kept as they are),
     else, for the last layer, from ``previous_head`` (the previous layer's auxiliary head:
-    ``models.start_from_head``) where its candidate has an own-row path.
+    ``models.start_from_head``) where its candidate has a skip connection (GCN, GAT).
 
     The layer's recipe candidates (``recipe.search_for``) all train from the same initial parameters
     on inputs prepared from the same single halo exchange (one preparation per ``features``
