@@ -148,9 +148,10 @@ def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         have = out[key]
         total = have["seeds"] + row["seeds"]
-        have.update(val=have["val"] + row["val"], test=have["test"] + row["test"], seeds=total,
-                    mb=(have["mb"] * have["seeds"] + row["mb"] * row["seeds"]) / total,
-                    seconds=have["seconds"] + row["seconds"])
+        # None: a row assembled from runs that did not keep their bytes or seconds
+        mb = None if None in (have["mb"], row["mb"]) else (have["mb"] * have["seeds"] + row["mb"] * row["seeds"]) / total
+        seconds = None if None in (have["seconds"], row["seconds"]) else have["seconds"] + row["seconds"]
+        have.update(val=have["val"] + row["val"], test=have["test"] + row["test"], seeds=total, mb=mb, seconds=seconds)
     return list(out.values())
 
 
@@ -258,8 +259,15 @@ def bytes_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| graph | model | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
     for graph, model in dict.fromkeys((r["graph"], r["model"]) for r in rows):
         lines.append(f"| {graph} | {model} | " + " | ".join(
-            f"{by[(graph, model, v)]['mb']:,.1f}" if (graph, model, v) in by else "" for v in variants) + " |")
+            megabytes(by.get((graph, model, v))) for v in variants) + " |")
     return lines
+
+
+def megabytes(row: dict[str, Any] | None) -> str:
+    """A bytes cell: the row's MB, "–" where its runs did not keep their bytes, "" without a row."""
+    if row is None:
+        return ""
+    return "–" if row["mb"] is None else f"{row['mb']:,.1f}"
 
 
 def checks_table(rows: list[dict[str, Any]]) -> list[str]:

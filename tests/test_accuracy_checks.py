@@ -9,7 +9,7 @@ import pytest
 from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from accuracy import checks, paired_gap  # noqa: E402
+from accuracy import bytes_table, checks, merged, paired_gap  # noqa: E402
 
 
 def test_paired_gap_is_the_gap_of_the_means_with_the_standard_error_of_the_per_seed_gaps():
@@ -35,3 +35,15 @@ def test_checks_mark_a_gap_below_its_limit_and_omit_the_error_for_one_seed_or_un
         "| b | gcn | centralized − reference +1.0 ok |",
         "| c | gcn | centralized − reference +2.0 ok |",
     ]
+
+
+def test_parts_merge_seed_lists_and_a_part_without_bytes_shows_a_dash():
+    def row(variant: str, test: list[float], mb: float | None) -> dict[str, object]:
+        return {"graph": "a", "model": "gcn", "variant": variant, "seeds": len(test), "val": test, "test": test,
+                "mb": mb, "seconds": None if mb is None else 1.0}
+
+    rows = merged([row("retexo", [0.7], 10.0), row("retexo", [0.8, 0.9], 40.0),
+                   row("retexo avg/5 int8", [0.7], 1.0), row("retexo avg/5 int8", [0.8], None)])
+    assert [(r["test"], r["seeds"], r["mb"]) for r in rows] == [([0.7, 0.8, 0.9], 3, 30.0), ([0.7, 0.8], 2, None)]
+    assert rows[0]["seconds"] == 2.0 and rows[1]["seconds"] is None
+    assert bytes_table(rows)[2] == "| a | gcn | 30.0 | – |"
