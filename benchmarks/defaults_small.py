@@ -1,0 +1,114 @@
+"""The table "Today's defaults on the four small graphs" (docs/accuracy.md), assembled from the
+per-seed runs kept in ``benchmarks/suite_rows``: writes ``defaults_small.json`` in
+``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
+
+Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
+official split) per run; where each variant's runs come from:
+
+- ``reference``: ``cora_citeseer.json`` (Cora, CiteSeer), ``defaults_runs.json`` (the others);
+- ``centralized``: the depth choice made per seed as the code makes it (three layers where their
+  validation score is higher than two layers') from the two-layer runs of ``cora_citeseer.json``
+  and the three-layer runs of ``depth_choice.json`` / ``defaults_runs.json`` (Cora, CiteSeer);
+  the runs with the defaults of ``defaults_runs.json`` (the others);
+- ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
+  depth choice's runs of ``depth_choice.json``;
+- ``retexo avg/5 int8``: ``defaults_runs.json``.
+
+A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired.
+
+    .venv/bin/python benchmarks/defaults_small.py [--out benchmarks/suite_rows/defaults_small.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROWS = Path(__file__).resolve().parent / "suite_rows"
+GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin")
+MODELS = ("gcn", "sage", "gat")
+VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
+THREE_LAYERS = "centralized --layers 3 --no-choose-depth"
+
+Run = tuple[float, float, float | None]  # validation, test, MB sent (None: not kept)
+Key = tuple[str, str, str, int]  # variant, graph, model, seed
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    return json.loads((ROWS / name).read_text())
+
+
+def collect_runs() -> dict[Key, Run]:
+    """Every variant's run per (graph, model, seed), as the module docstring lists their sources."""
+    runs: dict[Key, Run] = {}
+    two_layers: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for row in load("cora_citeseer.json"):
+        for seed, (val, test) in enumerate(zip(row["val"], row["test"])):
+            if row["variant"] == "reference":
+                runs[("reference", row["graph"], row["model"], seed)] = (val, test, 0.0)
+            elif row["variant"] == "centralized":
+                two_layers[(row["graph"], row["model"], seed)] = (val, test)
+    three_layers: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for row in load("depth_choice.json"):
+        graph = row["dataset"].split("_split")[0]
+        if row["label"] == "centralized":
+            three_layers[(graph, row["model"], row["seed"])] = (row["d3"]["val"], row["d3"]["test"])
+        elif row["label"] == "retexo" and row["model"] == "sage":
+            choice = row["choice"]
+            runs[("retexo", graph, "sage", row["seed"])] = (choice["val"], choice["test"],
+                                                           choice["bytes"] / 1e6 if choice["bytes"] else None)
+    session = load("defaults_runs.json")
+    for row in session:
+        if row["variant"] == THREE_LAYERS:
+            three_layers[(row["graph"], row["model"], row["seed"])] = (row["val"], row["test"])
+    for key, (val2, test2) in two_layers.items():
+        if key in three_layers:
+            val3, test3 = three_layers[key]
+            runs[("centralized", *key)] = (val3, test3, 0.0) if val3 > val2 else (val2, test2, 0.0)
+    for row in session:
+        if row["variant"] in ("reference", "centralized", "retexo avg/5 int8"):
+            runs[(row["variant"], row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
+    for row in load("last_layer_start.json"):
+        if row["variant"] == "retexo, last layer from the head":
+            runs[("retexo", row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row.get("mb"))
+    return runs
+
+
+def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
+    """``accuracy.py --out`` rows: per (graph, model), the seeds 0..n-1 that every variant has."""
+    def count(variant: str, graph: str, model: str) -> int:
+        n = 0
+        while (variant, graph, model, n) in runs:
+            n += 1
+        return n
+
+    rows = []
+    for model in MODELS:
+        for graph in GRAPHS:
+            n = min(count(v, graph, model) for v in VARIANTS)
+            for variant in VARIANTS:
+                seeds = [runs[(variant, graph, model, s)] for s in range(n)]
+                mbs = [mb for _, _, mb in seeds]
+                rows.append({"graph": graph, "model": model, "variant": variant, "seeds": n, "metric": "accuracy",
+                             "device": "cpu", "val": [v for v, _, _ in seeds], "test": [t for _, t, _ in seeds],
+                             "mb": None if not seeds or None in mbs else sum(mbs) / n,  # type: ignore[operator]
+                             "seconds": None})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROWS / "defaults_small.json")
+    args = parser.parse_args()
+    rows = paired_rows(collect_runs())
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    for graph in GRAPHS:
+        for model in MODELS:
+            seeds = next(r["seeds"] for r in rows if r["graph"] == graph and r["model"] == model)
+            print(f"{graph} {model}: {seeds} seeds")
+
+
+if __name__ == "__main__":
+    main()
