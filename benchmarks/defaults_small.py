@@ -1,6 +1,6 @@
-"""The table "Today's defaults on the four small graphs" (docs/accuracy.md), assembled from the
-per-seed runs kept in ``benchmarks/suite_rows``: writes ``defaults_small.json`` in
-``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
+"""The table "Today's defaults" (docs/accuracy.md: the four small graphs, and GCN and SAGE on actor
+and minesweeper), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
+``defaults_small.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
 official split) per run; where each variant's runs come from:
@@ -14,7 +14,8 @@ official split) per run; where each variant's runs come from:
   depth choice's runs of ``depth_choice.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``.
 
-A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired.
+A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
+(none: no row).
 
     .venv/bin/python benchmarks/defaults_small.py [--out benchmarks/suite_rows/defaults_small.json]
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 ROWS = Path(__file__).resolve().parent / "suite_rows"
-GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin")
+GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin", "actor", "minesweeper")
+METRICS = {"minesweeper": "ROC-AUC"}  # two classes; the others: accuracy
 MODELS = ("gcn", "sage", "gat")
 VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
 THREE_LAYERS = "centralized --layers 3 --no-choose-depth"
@@ -88,12 +90,15 @@ def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
     for model in MODELS:
         for graph in GRAPHS:
             n = min(count(v, graph, model) for v in VARIANTS)
+            if n == 0:
+                continue
             for variant in VARIANTS:
                 seeds = [runs[(variant, graph, model, s)] for s in range(n)]
                 mbs = [mb for _, _, mb in seeds]
-                rows.append({"graph": graph, "model": model, "variant": variant, "seeds": n, "metric": "accuracy",
+                rows.append({"graph": graph, "model": model, "variant": variant, "seeds": n,
+                             "metric": METRICS.get(graph, "accuracy"),
                              "device": "cpu", "val": [v for v, _, _ in seeds], "test": [t for _, t, _ in seeds],
-                             "mb": None if not seeds or None in mbs else sum(mbs) / n,  # type: ignore[operator]
+                             "mb": None if None in mbs else sum(mbs) / n,  # type: ignore[operator]
                              "seconds": None})
     return rows
 
@@ -104,10 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = paired_rows(collect_runs())
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    for graph in GRAPHS:
-        for model in MODELS:
-            seeds = next(r["seeds"] for r in rows if r["graph"] == graph and r["model"] == model)
-            print(f"{graph} {model}: {seeds} seeds")
+    for row in rows[::len(VARIANTS)]:
+        print(f"{row['graph']} {row['model']}: {row['seeds']} seeds")
 
 
 if __name__ == "__main__":
