@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,20 @@ def pytest_configure(config: pytest.Config) -> None:
     (beside the worker's ``popen-gwN``), so that the temporary Prefect servers of ``retexo run``
     commands never share one SQLite database with another worker or with another test run in the
     same checkout. Set (and made: Prefect makes only the last folder of its home) before any test
-    module imports Prefect."""
+    module imports Prefect.
+
+    The worker's temporary files go there too (``TMPDIR``, which the processes it starts inherit):
+    what a killed process could not remove (a launch's error folder after SIGKILL) and what
+    libraries never remove (PyG's generated GAT modules) then go with pytest's old run folders
+    instead of piling up in the system's temporary folder."""
     worker, basetemp = os.environ.get("PYTEST_XDIST_WORKER"), config.option.basetemp
     if worker and basetemp:
         home = Path(basetemp).parent / f"prefect-home-{worker}"
         home.mkdir(parents=True, exist_ok=True)
         os.environ["PREFECT_HOME"] = str(home)
+        scratch = Path(basetemp).parent / f"tmp-{worker}"
+        scratch.mkdir(parents=True, exist_ok=True)
+        os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
