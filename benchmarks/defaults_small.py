@@ -1,5 +1,5 @@
-"""The table "Today's defaults" (docs/accuracy.md: the four small graphs, and GCN and SAGE on actor
-and minesweeper), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
+"""The table "Today's defaults" (docs/accuracy.md: the four small graphs, GCN and SAGE on actor
+and minesweeper, and one seed of GCN and SAGE on amazon_computers and coauthor_cs), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``defaults_small.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
@@ -11,7 +11,7 @@ official split) per run; where each variant's runs come from:
   and the three-layer runs of ``depth_choice.json`` / ``defaults_runs.json`` (Cora, CiteSeer);
   the runs with the defaults of ``defaults_runs.json`` (the others);
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
-  depth choice's runs of ``depth_choice.json``;
+  depth choice's runs of ``depth_choice.json``; amazon_computers and coauthor_cs, ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``.
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 ROWS = Path(__file__).resolve().parent / "suite_rows"
-GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin", "actor", "minesweeper")
+GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin", "actor", "minesweeper", "amazon_computers",
+          "coauthor_cs")
 METRICS = {"minesweeper": "ROC-AUC"}  # two classes; the others: accuracy
 MODELS = ("gcn", "sage", "gat")
 VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
@@ -70,7 +71,7 @@ def collect_runs() -> dict[Key, Run]:
             val3, test3 = three_layers[key]
             runs[("centralized", *key)] = (val3, test3, 0.0) if val3 > val2 else (val2, test2, 0.0)
     for row in session:
-        if row["variant"] in ("reference", "centralized", "retexo avg/5 int8"):
+        if row["variant"] in VARIANTS:
             runs[(row["variant"], row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
     for row in load("last_layer_start.json"):
         if row["variant"] == "retexo, last layer from the head":
