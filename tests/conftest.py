@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     The worker's temporary files go there too (``TMPDIR``, which the processes it starts inherit):
     what a killed process could not remove (a launch's error folder after SIGKILL) and what
-    libraries never remove (PyG's generated GAT modules) then go with pytest's old run folders
+    libraries never remove (the modules PyG generates for its convs) then go with pytest's old run folders
     instead of piling up in the system's temporary folder."""
     worker, basetemp = os.environ.get("PYTEST_XDIST_WORKER"), config.option.basetemp
     if worker and basetemp:
