@@ -55,8 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     The worker's temporary files go there too (``TMPDIR``, which the processes it starts inherit):
     what a killed process could not remove (a launch's error folder after SIGKILL) and what
-    libraries never remove (the modules PyG generates for its convs) then go with pytest's old run folders
-    instead of piling up in the system's temporary folder."""
+    libraries never remove (the modules PyG generates for its convs) then go with pytest's old run
+    folders instead of piling up in the system's temporary folder."""
     worker, basetemp = os.environ.get("PYTEST_XDIST_WORKER"), config.option.basetemp
     if worker and basetemp:
         home = Path(basetemp).parent / f"prefect-home-{worker}"
