@@ -1,6 +1,5 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, GCN and SAGE on actor
-and minesweeper, and one seed of GCN on amazon_computers and coauthor_cs and of SAGE on
-amazon_computers), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
+and minesweeper, and one seed of GCN and SAGE on amazon_computers and coauthor_cs), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``defaults_small.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
