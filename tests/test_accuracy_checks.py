@@ -1,5 +1,5 @@
 """The suite's checks table (``benchmarks/accuracy.py``): gaps in points, paired seed by seed; the table of
-today's defaults rebuilt from its kept runs (``benchmarks/defaults_small.py``)."""
+today's defaults rebuilt from its kept runs (``benchmarks/todays_defaults.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from accuracy import bytes_table, checks, merged, paired_gap  # noqa: E402
-from defaults_small import ROWS, VARIANTS, collect_runs, paired_rows  # noqa: E402
+from todays_defaults import ROWS, VARIANTS, collect_runs, paired_rows  # noqa: E402
 
 
 def test_paired_gap_is_the_gap_of_the_means_with_the_standard_error_of_the_per_seed_gaps():
@@ -53,10 +53,10 @@ def test_parts_merge_seed_lists_and_a_part_without_bytes_shows_a_dash():
 
 
 def test_the_table_of_todays_defaults_is_rebuilt_from_the_kept_runs():
-    """``benchmarks/defaults_small.py`` assembles exactly the committed ``defaults_small.json`` from
+    """``benchmarks/todays_defaults.py`` assembles exactly the committed ``todays_defaults.json`` from
     the per-seed runs in ``benchmarks/suite_rows``, every variant of a pair with the same seeds."""
     rows = paired_rows(collect_runs())
-    assert rows == json.loads((ROWS / "defaults_small.json").read_text())
+    assert rows == json.loads((ROWS / "todays_defaults.json").read_text())
     pairs: dict[tuple[str, str], set[int]] = {}
     for row in rows:
         pairs.setdefault((row["graph"], row["model"]), set()).add(row["seeds"])

@@ -1,6 +1,7 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, GCN and SAGE on actor
-and minesweeper, and one seed of GCN and SAGE on amazon_computers and coauthor_cs), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
-``defaults_small.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
+and minesweeper, and one seed of GCN and SAGE on amazon_computers and coauthor_cs), assembled
+from the per-seed runs kept in ``benchmarks/suite_rows``: writes ``todays_defaults.json`` in
+``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
 official split) per run; where each variant's runs come from:
@@ -11,13 +12,14 @@ official split) per run; where each variant's runs come from:
   and the three-layer runs of ``depth_choice.json`` / ``defaults_runs.json`` (Cora, CiteSeer);
   the runs with the defaults of ``defaults_runs.json`` (the others);
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
-  depth choice's runs of ``depth_choice.json``; amazon_computers and coauthor_cs, ``defaults_runs.json``;
+  depth choice's runs of ``depth_choice.json``; on amazon_computers and coauthor_cs,
+  ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``.
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
 
-    .venv/bin/python benchmarks/defaults_small.py [--out benchmarks/suite_rows/defaults_small.json]
+    .venv/bin/python benchmarks/todays_defaults.py [--out benchmarks/suite_rows/todays_defaults.json]
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROWS / "defaults_small.json")
+    parser.add_argument("--out", type=Path, default=ROWS / "todays_defaults.json")
     args = parser.parse_args()
     rows = paired_rows(collect_runs())
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
