@@ -288,10 +288,10 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
 MARK = "<!-- accuracy --suite: {} -->"
 
 
-def write_block(path: Path, name: str, lines: list[str]) -> None:
-    """Replace the text between ``MARK.format(name + ' start')`` and ``... end`` in ``path``."""
+def write_block(path: Path, name: str, lines: list[str], mark: str = MARK) -> None:
+    """Replace the text between ``mark.format(name + ' start')`` and ``... end`` in ``path``."""
     text = path.read_text()
-    begin, end = MARK.format(f"{name} start"), MARK.format(f"{name} end")
+    begin, end = mark.format(f"{name} start"), mark.format(f"{name} end")
     if begin not in text or end not in text:
         raise SystemExit(f"{path}: no '{begin}' ... '{end}' block to write the table into")
     head, rest = text.split(begin, 1)

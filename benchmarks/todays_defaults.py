@@ -19,7 +19,10 @@ official split) per run; where each variant's runs come from:
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
 
-    .venv/bin/python benchmarks/todays_defaults.py [--out benchmarks/suite_rows/todays_defaults.json]
+``--write-docs`` also writes its score table into README.md and its three tables into
+docs/accuracy.md's "Today's defaults" (between their ``<!-- todays defaults: ... -->`` marks).
+
+    .venv/bin/python benchmarks/todays_defaults.py [--out benchmarks/suite_rows/todays_defaults.json] [--write-docs]
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from accuracy import REPO, bytes_table, checks_table, in_suite_order, score_table, write_block
+
 ROWS = Path(__file__).resolve().parent / "suite_rows"
 GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin", "actor", "minesweeper", "amazon_computers",
           "coauthor_cs")
@@ -36,6 +41,7 @@ METRICS = {"minesweeper": "ROC-AUC"}  # two classes; the others: accuracy
 MODELS = ("gcn", "sage", "gat")
 VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
 THREE_LAYERS = "centralized --layers 3 --no-choose-depth"
+MARK = "<!-- todays defaults: {} -->"
 
 Run = tuple[float, float, float | None]  # validation, test, MB sent (None: not kept)
 Key = tuple[str, str, str, int]  # variant, graph, model, seed
@@ -106,12 +112,25 @@ def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def write_docs(rows: list[dict[str, Any]]) -> None:
+    """The score table into README.md; the score, bytes and checks tables into docs/accuracy.md (in
+    the suite's order of graphs, as ``accuracy.py --tables`` prints them)."""
+    rows = in_suite_order(rows)
+    write_block(REPO / "README.md", "scores", score_table(rows))
+    for name, table in (("scores", score_table), ("bytes", bytes_table), ("checks", checks_table)):
+        write_block(REPO / "docs" / "accuracy.md", name, table(rows), MARK)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROWS / "todays_defaults.json")
+    parser.add_argument("--write-docs", action="store_true", help="also write the tables into README.md and "
+                        "docs/accuracy.md")
     args = parser.parse_args()
     rows = paired_rows(collect_runs())
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.write_docs:
+        write_docs(rows)
     for row in rows[::len(VARIANTS)]:
         print(f"{row['graph']} {row['model']}: {row['seeds']} seeds")
 

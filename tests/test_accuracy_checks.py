@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from accuracy import bytes_table, checks, merged, paired_gap  # noqa: E402
+from accuracy import (MARK, bytes_table, checks, checks_table, in_suite_order, merged,  # noqa: E402
+                      paired_gap, score_table)
+from todays_defaults import MARK as TODAY  # noqa: E402
 from todays_defaults import ROWS, VARIANTS, collect_runs, paired_rows  # noqa: E402
 
 
@@ -63,3 +66,19 @@ def test_the_table_of_todays_defaults_is_rebuilt_from_the_kept_runs():
         assert len(row["val"]) == len(row["test"]) == row["seeds"]
     assert all(len(counts) == 1 for counts in pairs.values())
     assert len(rows) == len(pairs) * len(VARIANTS)
+
+
+def block(path: Path, name: str, mark: str) -> list[str]:
+    """The lines between ``mark``'s ``name start`` and ``name end`` lines of ``path``."""
+    after_start = path.read_text().split(mark.format(f"{name} start") + "\n", 1)[1]
+    return after_start.split("\n" + mark.format(f"{name} end"), 1)[0].split("\n")
+
+
+def test_the_readme_and_the_docs_show_the_tables_of_todays_defaults():
+    """README.md's score table and docs/accuracy.md's "Today's defaults" tables are what
+    ``todays_defaults.py --write-docs`` writes from the committed rows."""
+    rows = in_suite_order(json.loads((ROWS / "todays_defaults.json").read_text()))
+    assert block(REPO / "README.md", "scores", MARK) == score_table(rows)
+    docs = REPO / "docs" / "accuracy.md"
+    for name, table in (("scores", score_table), ("bytes", bytes_table), ("checks", checks_table)):
+        assert block(docs, name, TODAY) == table(rows)
