@@ -1,5 +1,5 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-and one seed of GCN and SAGE on amazon_computers and coauthor_cs), assembled
+and one seed on amazon_computers and coauthor_cs, where GAT has one on amazon_computers), assembled
 from the per-seed runs kept in ``benchmarks/suite_rows``: writes ``todays_defaults.json`` in
 ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
@@ -12,8 +12,8 @@ official split) per run; where each variant's runs come from:
   and the three-layer runs of ``depth_choice.json`` / ``defaults_runs.json`` (Cora, CiteSeer);
   the runs with the defaults of ``defaults_runs.json`` (the others);
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
-  depth choice's runs of ``depth_choice.json``; GAT on actor and minesweeper and every model on
-  amazon_computers and coauthor_cs, ``defaults_runs.json``;
+  depth choice's runs of ``depth_choice.json``; GAT on actor, minesweeper and amazon_computers and
+  every model on coauthor_cs, ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``.
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
