@@ -13,7 +13,7 @@ official split) per run; where each variant's runs come from:
   the runs with the defaults of ``defaults_runs.json`` (the others);
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
   depth choice's runs of ``depth_choice.json``; GAT on actor, minesweeper and amazon_computers and
-  every model on coauthor_cs, ``defaults_runs.json``;
+  GCN and SAGE on coauthor_cs, ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``.
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
