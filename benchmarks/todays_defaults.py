@@ -32,13 +32,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from accuracy import REPO, bytes_table, checks_table, in_suite_order, score_table, write_block
+from accuracy import MODELS, REPO, SUITE, bytes_table, checks_table, score_table, write_block
 
 ROWS = Path(__file__).resolve().parent / "suite_rows"
-GRAPHS = ("cora", "citeseer", "chameleon_filtered", "wisconsin", "actor", "minesweeper", "amazon_computers",
-          "coauthor_cs")
+GRAPHS = tuple(graph.name for graph in SUITE)  # in the suite's order, as ``accuracy.py --tables`` prints them
 METRICS = {"minesweeper": "ROC-AUC"}  # two classes; the others: accuracy
-MODELS = ("gcn", "sage", "gat")
 VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
 THREE_LAYERS = "centralized --layers 3 --no-choose-depth"
 MARK = "<!-- todays defaults: {} -->"
@@ -113,9 +111,7 @@ def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
 
 
 def write_docs(rows: list[dict[str, Any]]) -> None:
-    """The score table into README.md; the score, bytes and checks tables into docs/accuracy.md (in
-    the suite's order of graphs, as ``accuracy.py --tables`` prints them)."""
-    rows = in_suite_order(rows)
+    """The score table into README.md; the score, bytes and checks tables into docs/accuracy.md."""
     write_block(REPO / "README.md", "scores", score_table(rows))
     for name, table in (("scores", score_table), ("bytes", bytes_table), ("checks", checks_table)):
         write_block(REPO / "docs" / "accuracy.md", name, table(rows), MARK)

@@ -12,8 +12,7 @@ import pytest
 from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from accuracy import (MARK, bytes_table, checks, checks_table, in_suite_order, merged,  # noqa: E402
-                      paired_gap, score_table)
+from accuracy import MARK, bytes_table, checks, checks_table, merged, paired_gap, score_table  # noqa: E402
 from todays_defaults import MARK as TODAY  # noqa: E402
 from todays_defaults import ROWS, VARIANTS, collect_runs, paired_rows  # noqa: E402
 
@@ -77,7 +76,7 @@ def block(path: Path, name: str, mark: str) -> list[str]:
 def test_the_readme_and_the_docs_show_the_tables_of_todays_defaults():
     """README.md's score table and docs/accuracy.md's "Today's defaults" tables are what
     ``todays_defaults.py --write-docs`` writes from the committed rows."""
-    rows = in_suite_order(json.loads((ROWS / "todays_defaults.json").read_text()))
+    rows = json.loads((ROWS / "todays_defaults.json").read_text())
     assert block(REPO / "README.md", "scores", MARK) == score_table(rows)
     docs = REPO / "docs" / "accuracy.md"
     for name, table in (("scores", score_table), ("bytes", bytes_table), ("checks", checks_table)):
