@@ -22,7 +22,8 @@ own dropout masks, and the gradients of the ranks' losses are summed (the all-re
 Modes (one JSON row per seed on stdout; ``extra_mb``: the extra exchange's bytes, float32):
 
 - ``layerwise``: every layer greedily, with a linear auxiliary head on hidden layers;
-- ``finetune``: ``layerwise``, then the last two layers together from their greedy parameters;
+- ``finetune``: ``layerwise``, then the last two layers together from their greedy parameters (the
+  greedy model is kept where no round beats it on validation);
 - ``joint``: layers 1..L−2 greedily, then the last two together from a fresh start;
 - ``endtoend``: the whole model in one process.
 
@@ -43,13 +44,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import roc_auc_score
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from graphstore.ingest.planetoid import load_planetoid  # noqa: E402  (the project's reader of the original files)
+from retexo_core.metrics import roc_auc  # noqa: E402
 
 HIDDEN, ROUNDS, PARTS, LR, DECAY = 256, 200, 4, 0.01, 5e-4
 DATASETS = REPO.parent / "shared" / "datasets"
@@ -90,7 +91,7 @@ class Graph:
 
     def score(self, logits: torch.Tensor, mask: torch.Tensor) -> float:
         if self.auc:
-            return float(roc_auc_score(self.y[mask].numpy(), logits[mask].softmax(1)[:, 1].detach().numpy()))
+            return roc_auc(logits[mask].softmax(1)[:, 1].detach().numpy(), self.y[mask].numpy())
         return (logits[mask].argmax(1) == self.y[mask]).float().mean().item()
 
 
