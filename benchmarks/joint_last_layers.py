@@ -221,11 +221,16 @@ def last_two_together(graph: Graph, z: torch.Tensor, adj: torch.Tensor, split: t
     optimizers = [adam([hidden], first), adam([last], False)]
     total = int(train.sum())
 
+    def at_rank(rank: Rank, training: bool) -> torch.Tensor:
+        """(owned, classes) logits of one rank's owned nodes."""
+        owned, local, agg, own = rank
+        h = hidden(agg, own, training)  # (owned + halo, hidden): the halo's rows computed here
+        return last(local @ h, h[: len(owned)], training)
+
     def logits(training: bool) -> torch.Tensor:
         out = torch.zeros(graph.n, graph.classes)
-        for owned, local, agg, own in ranks:
-            h = hidden(agg, own, training)  # (owned + halo, hidden): the halo's rows computed here
-            out[owned] = last(local @ h, h[: len(owned)], training)
+        for rank in ranks:
+            out[rank[0]] = at_rank(rank, training)
         return out
 
     with torch.no_grad():  # the ranks compute what the whole graph would (dropout off)
@@ -241,9 +246,9 @@ def last_two_together(graph: Graph, z: torch.Tensor, adj: torch.Tensor, split: t
         last.train()
         for optimizer in optimizers:
             optimizer.zero_grad()
-        for owned, local, agg, own in ranks:  # each rank's loss; the summed gradients are the all-reduce
-            h = hidden(agg, own, True)
-            out = last(local @ h, h[: len(owned)], True)
+        for rank in ranks:  # each rank's loss; the summed gradients are the all-reduce
+            owned = rank[0]
+            out = at_rank(rank, True)
             mine = train[owned]
             (F.cross_entropy(out[mine], graph.y[owned][mine], reduction="sum") / total).backward()
         for optimizer in optimizers:
@@ -279,11 +284,11 @@ def end_to_end(graph: Graph, adj: torch.Tensor, split: tuple[torch.Tensor, ...],
     return best
 
 
-def run(graph: Graph, mode: str, layers: int, seed: int) -> tuple[Best, int]:
-    """One seed (split ``seed`` where the graph has several) of ``mode``: its best and the extra bytes."""
+def run(graph: Graph, adj: torch.Tensor, mode: str, layers: int, seed: int) -> tuple[Best, int]:
+    """One seed (split ``seed`` where the graph has several) of ``mode`` with the graph's whole Â
+    ``adj`` (n, n): its best and the extra bytes."""
     torch.manual_seed(seed)
     split = graph.masks[seed]
-    adj = graph.adjacency(torch.arange(graph.n), torch.arange(graph.n))
     if mode == "endtoend":
         return end_to_end(graph, adj, split, layers), 0
     parts = torch.randint(0, PARTS, (graph.n,), generator=torch.Generator().manual_seed(0))
@@ -310,8 +315,9 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
     graph = load(args.graph, args.datasets)
+    adj = graph.adjacency(torch.arange(graph.n), torch.arange(graph.n))
     for seed in range(args.seeds):
-        best, extra = run(graph, args.mode, args.layers, seed)
+        best, extra = run(graph, adj, args.mode, args.layers, seed)
         print(json.dumps({"graph": args.graph, "mode": args.mode, "layers": args.layers, "seed": seed,
                           "val": round(best.val, 4), "test": round(best.test, 4), "round": best.round,
                           "extra_mb": round(extra / 1e6, 2)}), flush=True)
