@@ -4,7 +4,7 @@ run and layer fingerprints are all derived from. No torch import here, so the CL
 Each field carries its help text and, in ``json_schema_extra``, how it enters the fingerprints:
 
 - ``scope``: ``layer`` (every layer of a layer-wise run depends on it), ``per_layer`` (one value per
-  layer; layer l depends on entries 1..l), ``run`` (only the run as a whole, e.g. epochs of an
+  layer; layer l depends on entries 1..l), ``last`` (only the last layer of a layer-wise run), ``run`` (only the run as a whole, e.g. epochs of an
   end-to-end strategy), ``none`` (not part of any result, e.g. a timeout);
 - ``strategies``: the strategies the option applies to (absent: all); other strategies leave it
   out of their fingerprints, so changing a VARCO knob never invalidates a Retexo run;
@@ -26,7 +26,7 @@ from retexo_core.strategies.registry import (
 Strategy = Literal[NAMES]  # type: ignore[valid-type]
 ModelName = Literal["gcn", "sage", "gat"]
 Compression = Literal["none", "fp16", "int8"]
-Scope = Literal["layer", "per_layer", "run", "none"]
+Scope = Literal["layer", "per_layer", "last", "run", "none"]
 LINK_STRATEGIES = ("retexo", "centralized", "standard", "tma")  # the strategies that train --task link
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
@@ -115,6 +115,12 @@ class TrainConfig(BaseModel):
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line); 0 only with warm_start.", scope="per_layer",
                                      strategies=LAYERWISE)
+    joint_rounds: int = option(
+        200, "Layer-wise GCN / SAGE (task node, transductive, full batch): after the last layer, train the last two "
+        "layers together for this many rounds from their greedy parameters, from one more halo exchange (layer "
+        "L-1's aggregated inputs of the halo nodes) and the usual gradient sync or averaging; the pair replaces "
+        "the greedy model only where it scores higher on validation. 0: off. See docs/accuracy.md, the last two "
+        "layers together.", scope="last", strategies=LAYERWISE, ge=0)
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
                                     strategies=LAYERWISE, ge=1)
@@ -344,12 +350,14 @@ class TrainConfig(BaseModel):
         """What determines layer ``layer`` of a layer-wise run: shared options and layers 1..layer."""
         per_layer = {name: [self.per_layer(name, k) for k in range(1, layer + 1)]
                      for name in self._fields({"per_layer"})}
-        return {**{k: getattr(self, k) for k in self._fields({"layer"})}, **per_layer, "last": layer == self.layers}
+        last = layer == self.layers
+        shared = self._fields({"layer", "last"} if last else {"layer"})
+        return {**{k: getattr(self, k) for k in shared}, **per_layer, "last": last}
 
     def run_payload(self) -> dict[str, object]:
         """Everything that determines a run's results (the run fingerprint), options as given; an
         unset ``lr`` as its resolved value (one number when every layer has the same)."""
-        payload = {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "run"})}
+        payload = {k: getattr(self, k) for k in self._fields({"layer", "per_layer", "last", "run"})}
         if self.lr is None:
             rates = [self.layer_lr(k) for k in range(1, self.layers + 1)]
             payload["lr"] = rates[0] if len(set(rates)) == 1 else rates

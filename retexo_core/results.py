@@ -48,6 +48,13 @@ class ResultSink(Protocol):
         run's stored hidden layer ``layer`` (committed by an earlier launch, or linked from another
         run); read by rank 0 only, which holds the models at sites too."""
 
+    def stored_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """The parameters of this run's stored layer ``layer`` (its ``model.pt``); read by rank 0 only."""
+
+    def stored_recipe(self, layer: int) -> dict[str, Any]:
+        """The recipe this run's stored layer ``layer`` trained with (its manifest's ``recipe``: the
+        knobs, and the search's scores); every rank reads it (each site has its own manifest)."""
+
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
         """The parameters layer ``layer`` (end-to-end: block ``layer``) starts from: the warm-start
         run's, or None for a fresh initialisation."""

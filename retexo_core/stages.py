@@ -28,10 +28,13 @@ from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
 from retexo_core.strategies.isolated import isolated_context
-from retexo_core.recipe import apply_knobs, search_for
+from retexo_core.recipe import KNOB_NAMES, apply_knobs, search_for
 from retexo_core.link import link_evaluation, pair_scores, recommendations
 from retexo_core.strategies.link import LinkFit, LinkInputs
-from retexo_core.strategies.retexo import LayerFit, LayerInputs, Views, features_transform, train_layer
+from retexo_core.strategies.joint import HiddenLayer, hidden_of, train_last_two, trains_jointly
+from retexo_core.strategies.retexo import (
+    LayerFit, LayerInputs, LayerResult, Views, features_transform, new_layer, train_layer,
+)
 
 log = logging.getLogger("retexo.worker")
 HISTORY_SCHEMA = pa.schema([
@@ -132,22 +135,62 @@ def new_log_rows(ctx: WorkerContext, start: int) -> tuple[pa.Table, int]:
     return ctx.comm.log.to_table().slice(start), len(ctx.comm.log.rows)
 
 
-def stored_head(ctx: WorkerContext, sink: ResultSink, layer: int) -> HeadState:
-    """The auxiliary head of the run's stored hidden layer ``layer``, for a launch that starts at the
-    last layer: rank 0 reads it (at sites only the coordinator stores models) and sends it to every
-    other rank as one (classes, hidden + 1) float32 ``control`` message (weight, then bias), logged
-    at the launch's layer."""
-    comm, classes, hidden = ctx.comm, ctx.data.num_classes, ctx.config.hidden
-    packed = None
-    if comm.rank == 0:
-        head = sink.stored_head(layer)
-        packed = torch.cat([head["weight"], head["bias"][:, None]], 1).float()
+def from_coordinator(ctx: WorkerContext, packed: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank 0's float32 tensor ``packed`` (of ``shape``; None on the other ranks) on every rank:
+    one ``control`` message to each other rank, logged at the launch's layer."""
+    comm = ctx.comm
     received = comm.exchange([packed if j else None for j in range(comm.world)],
-                             [(classes, hidden + 1) if comm.rank and j == 0 else None for j in range(comm.world)],
+                             [shape if comm.rank and j == 0 else None for j in range(comm.world)],
                              torch.float32, "control")
     packed = received[0] if comm.rank else packed
     assert packed is not None
+    return packed
+
+
+def stored_head(ctx: WorkerContext, sink: ResultSink, layer: int) -> HeadState:
+    """The auxiliary head of the run's stored hidden layer ``layer``, for a launch that starts at the
+    last layer: rank 0 reads it (at sites only the coordinator stores models) and sends it to every
+    other rank as one (classes, hidden + 1) float32 message (weight, then bias)."""
+    classes, hidden = ctx.data.num_classes, ctx.config.hidden
+    packed = None
+    if ctx.comm.rank == 0:
+        head = sink.stored_head(layer)
+        packed = torch.cat([head["weight"], head["bias"][:, None]], 1).float()
+    packed = from_coordinator(ctx, packed, (classes, hidden + 1))
     return {"weight": packed[:, :hidden].contiguous(), "bias": packed[:, hidden].contiguous()}
+
+
+def stored_hidden(ctx: WorkerContext, sink: ResultSink, layer: int) -> HiddenLayer:
+    """Layer ``layer`` (L-1) as stored, for a launch that starts at the last layer and trains the last
+    two together: its recipe from its manifest, its parameters from rank 0 (one flat float32
+    message to each rank), and its aggregated inputs from its inputs and its halo exchange, made
+    again (logged at layer ``layer`` in this launch's log)."""
+    knobs = {k: v for k, v in sink.stored_recipe(layer).items() if k in KNOB_NAMES}
+    mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
+    own = own_inputs(ctx, layer, sink)
+    module = new_layer(mine, layer, own["full"].shape[1])
+    shapes = {k: t.shape for k, t in module.state_dict().items()}
+    packed = None
+    if ctx.comm.rank == 0:
+        state = sink.stored_state(layer)
+        packed = torch.cat([state[k].reshape(-1).float() for k in shapes])
+    flat = from_coordinator(ctx, packed, (sum(s.numel() for s in shapes.values()),)).to(ctx.device)
+    parts = flat.split([s.numel() for s in shapes.values()])
+    module.load_state_dict({k: part.view(s) for (k, s), part in zip(shapes.items(), parts)})
+    inputs = LayerInputs.exchanged(mine, layer, ctx.config.model, own, [features_transform(ctx.config, knobs)],
+                                   keep_own=bool(mine.config.skip))[0]
+    return HiddenLayer(module, mine.config, inputs.aggregated["full"])
+
+
+def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: HiddenLayer) -> LayerResult:
+    """The last layer's result once the last two layers trained together (``strategies.joint``):
+    the kept model's logits, and the joint run's summary in the layer's recipe."""
+    assert result.kept is not None
+    joint = train_last_two(ctx, hidden, result.module, result.kept.ctx.config, result.best_round, result.best_val,
+                           result.outputs["full"])
+    return dataclasses.replace(result, module=joint.module, outputs=dict.fromkeys(result.outputs, joint.logits),
+                               best_round=joint.best_round, best_val=joint.best_val,
+                               recipe={**result.recipe, "joint": joint.summary}, joint_hidden=joint.hidden_state)
 
 
 def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> None:
@@ -158,12 +201,18 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     starts_at_last = node_task and cfg.warm_start is None and 1 < layers[0] == cfg.layers
     head = stored_head(ctx, sink, layers[0] - 1) if starts_at_last else None
     log_start = 0
+    joint = trains_jointly(cfg)
+    hidden: HiddenLayer | None = None
     for layer in layers:
         started = time.perf_counter()
         kinds = (LayerInputs, LayerFit) if node_task else (LinkInputs, LinkFit)
         with layer_fits(ctx.device, layer, ctx.comm.world):
             result = train_layer(ctx, layer, own, sink.initial_state(layer), kinds, head)
+            if joint and layer == cfg.layers:
+                result = with_last_two_together(ctx, result, hidden or stored_hidden(ctx, sink, layer - 1))
         head = head_state(result.module) if node_task else None
+        hidden = hidden_of(result.kept) if joint and layer == cfg.layers - 1 and result.kept is not None else None
+        result.kept = None  # its inputs are not needed any more
         last = layer == cfg.layers
         evaluation = evaluate(ctx, result.outputs, result.link_embeddings) if last else None
         if last:
@@ -176,7 +225,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
                                recipe=result.recipe)
         if ctx.comm.rank == 0:
-            sink.commit_layer(summary, host_state(result.module.state_dict()), history_table(ctx, layer), evaluation)
+            state = {**result.module.state_dict(), **result.joint_hidden}
+            sink.commit_layer(summary, host_state(state), history_table(ctx, layer), evaluation)
         elif sink.every_rank_commits:
             sink.commit_layer(summary, None, None, None)
         log.info("layer %d done: best round %d, val acc %.4f, %d bytes sent by this rank so far, %d rounds in %.3f s%s",

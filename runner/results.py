@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from graphstore.atomic import commit_directory, fsync_file, fsync_tree
 from graphstore.integrity import record_digests, verify_files
 from graphstore.layout import Store
-from graphstore.manifests import LayerManifest
+from graphstore.manifests import LayerManifest, read_manifest
 from graphstore.parquet_io import COMPRESSION, read_table
 from graphstore.runs import LINK_SCORES, PREDICTIONS, RECOMMENDATIONS, read_embeddings, write_embeddings
 from retexo_core.comm.network import NetworkModel
@@ -157,6 +157,13 @@ class RunFolder:
     def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
         state = self._stored_model(self.run_fp, layer)
         return {"weight": state["head.weight"], "bias": state["head.bias"]}
+
+    def stored_state(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._stored_model(self.run_fp, layer)
+
+    def stored_recipe(self, layer: int) -> dict[str, Any]:
+        folder = Store(Path(self.store_root)).layer_dir(self.run_fp, layer)
+        return read_manifest(folder, LayerManifest).recipe
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
         warm = self.config.warm_start

@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from retexo_core.models import (
     start_from_head,
 )
 from retexo_core.recipe import apply_knobs, search_for
+from retexo_core.strategies.joint import HIDDEN_PREFIX
 from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
@@ -69,6 +70,8 @@ class LayerResult:
     loop_rounds: int = 0  # rounds all the layer's candidates trained
     loop_seconds: float = 0.0  # their round loops' seconds (validation included; no exchange, aggregation, outputs)
     link_embeddings: torch.Tensor | None = None  # task link, last layer: (rows, link_dim) of every row this rank embeds
+    kept: "LayerFit | None" = None  # the kept candidate's training (its configuration and prepared inputs)
+    joint_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # layer L-1 trained on with the last (joint.py)
 
 
 def gather_inputs(ctx: WorkerContext, layer: int, own: Views) -> Views:
@@ -422,7 +425,8 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
         computed = {v: inputs.outputs(v) for v in ctx.views}
         embeddings = kept.link_embeddings() if layer == base.layers else None
     return LayerResult(module, {v: computed.get(v, computed["full"]) for v in own}, best.round, best.accuracy,
-                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits), embeddings)
+                       kept.trained, search.choice(), sum(f.trained for f in fits), sum(f.seconds for f in fits), embeddings,
+                       kept)
 
 
 def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, torch.Tensor] | None,
@@ -433,7 +437,7 @@ def start_fit(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, tor
     mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
     module = new_layer(mine, layer, own["full"].shape[1])
     if initial is not None:
-        module.load_state_dict(initial)
+        module.load_state_dict({k: v for k, v in initial.items() if not k.startswith(HIDDEN_PREFIX)})
     elif previous_head is not None and module.head is None:
         start_from_head(module.block, previous_head)
     prepared = copy.copy(inputs)

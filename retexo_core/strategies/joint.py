@@ -1,0 +1,168 @@
+"""The last two layers of a layer-wise GCN or SAGE run trained together, after the greedy layers.
+
+Greedy layer-wise training fits layer L-1 to its auxiliary head, never to what layer L makes of it;
+on some graphs that costs a point or two (docs/accuracy.md, "The last two layers together"). The
+two can train together exactly, with one more halo exchange and no exchange per round: layer L-1's
+output at a halo node u is ``block_{L-1}((Â·Z)_u, Z_u)`` (Z: layer L-1's inputs), and u's owner
+holds those aggregated inputs already (it computed them for layer L-1). So every owner sends the
+aggregated rows of its boundary nodes once (kind ``halo_aggregates``: Â·Z, and Z itself where the
+block reads the node's own row); then each round a rank computes layer L-1 at its owned and halo
+rows with the shared parameters and layer L over its owned rows, which is what the whole graph
+would compute. Gradients are summed every round (``sync=grad``) or the models averaged every
+``sync_every`` rounds (``sync=avg``), as in the layers' own training.
+
+The pair starts from the greedy parameters and trains ``joint_rounds`` rounds with each layer's
+chosen recipe (dropout after aggregation, learning rate, weight decay); the best round on
+validation is kept only when it beats the greedy model's validation score, so it never replaces a
+better greedy model. GAT cannot: attention at a halo node needs that node's neighbours' inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from retexo_core.config import TrainConfig
+from retexo_core.exchange import exchange_rows, stack_rows
+from retexo_core.models import Aggregated, Features, LayerWithHead
+from retexo_core.sparse import SparseMatrix, spmm
+from retexo_core.strategies.common import (
+    BestState, WorkerContext, average_parameters, split_stats, sync_gradients, validate,
+)
+
+if TYPE_CHECKING:
+    from retexo_core.strategies.retexo import LayerFit
+
+log = logging.getLogger("retexo.train")
+KIND = "halo_aggregates"
+HIDDEN_PREFIX = "joint_hidden."  # layer L-1's block in the last layer's stored state, where the pair replaced the greedy model
+
+
+def trains_jointly(config: TrainConfig) -> bool:
+    """Whether a run of ``config`` trains its last two layers together after the greedy layers:
+    ``joint_rounds`` > 0, layer-wise GCN or SAGE with two layers or more, task node, transductive,
+    full batch, over a halo (not the isolated strategies)."""
+    return (config.joint_rounds > 0 and config.is_layerwise and config.model in ("gcn", "sage")
+            and config.layers >= 2 and config.task == "node" and config.setting == "transductive"
+            and config.batch_size is None and not config.strategy_spec.isolated)
+
+
+@dataclass
+class HiddenLayer:
+    """Layer L-1 as its greedy fit kept it."""
+
+    module: LayerWithHead
+    config: TrainConfig  # its candidate's configuration (the recipe it trained with)
+    inputs: Aggregated  # (n, d) its frozen aggregated inputs of the owned nodes
+
+
+@dataclass
+class JointResult:
+    """The outcome of the joint training: the logits to keep and what the layer's manifest says."""
+
+    logits: torch.Tensor  # (n, classes) of the owned nodes, by the kept model (the greedy one's unless replaced)
+    module: LayerWithHead  # layer L as kept
+    hidden_state: dict[str, torch.Tensor]  # layer L-1's block (keys HIDDEN_PREFIX + name) when the pair replaced it
+    best_round: int
+    best_val: float
+    summary: dict[str, object]  # for the manifest: rounds, the best round's val, the greedy val, kept or not
+
+
+class Pair(nn.Module):
+    """Layer L-1's block and layer L's module, whose parameters are synchronised as one."""
+
+    def __init__(self, hidden: LayerWithHead, last: LayerWithHead):
+        super().__init__()
+        self.hidden, self.last = hidden.block, last
+
+    def logits(self, inputs: Aggregated, adj: SparseMatrix, targets: torch.Tensor, gen: torch.Generator | None = None
+               ) -> torch.Tensor:
+        """(t, classes) logits of the owned ``targets`` from layer L-1's aggregated inputs of the
+        owned and halo rows (N, d) and ``adj``, the targets' rows of the local graph (t, N)."""
+        h = self.hidden.from_aggregated(inputs, gen)  # (N, hidden): owned rows, then the halo's
+        own = h[targets] if inputs.own is not None else None
+        return self.last.logits(self.last.block.from_aggregated(Aggregated(spmm(adj, h), own), gen), gen)
+
+
+def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
+    """The one extra exchange: layer L-1's aggregated inputs of every halo node, sent by its owner;
+    (n + h, d) rows, owned first. Logged at layer L, round -1."""
+    comm, plan = ctx.comm, ctx.plans["full"]
+    comm.layer, comm.epoch = ctx.config.layers, -1
+
+    def rows(x: Features) -> Features:
+        return stack_rows(x, exchange_rows(comm, plan, x, KIND))
+
+    return Aggregated(rows(owned.neigh), None if owned.own is None else rows(owned.own))
+
+
+def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead, last_config: TrainConfig,
+                   greedy_round: int, greedy_val: float, greedy_logits: torch.Tensor) -> JointResult:
+    """Layers L-1 and L together from their greedy parameters (copies: the greedy modules stay as
+    they are), ``ctx.config.joint_rounds`` rounds; see the module docstring."""
+    cfg, comm, layer = ctx.config, ctx.comm, ctx.config.layers
+    started = time.perf_counter()
+    inputs = halo_aggregates(ctx, hidden.inputs)
+    pair = Pair(copy.deepcopy(hidden.module), copy.deepcopy(last))
+    hidden_layer = layer - 1
+    optimizer = torch.optim.Adam([
+        {"params": pair.hidden.parameters(), "lr": hidden.config.layer_lr(hidden_layer),
+         "weight_decay": hidden.config.weight_decay if hidden.config.decays_layer(hidden_layer) else 0.0},
+        {"params": pair.last.parameters(), "lr": last_config.layer_lr(layer),
+         "weight_decay": last_config.weight_decay if last_config.decays_layer(layer) else 0.0},
+    ], fused=True)
+    adj = ctx.graphs["full"].adj
+    train_rows, eval_rows = ctx.train_rows, ctx.eval_rows
+    train_adj, eval_adj = adj.select_rows(train_rows), adj.select_rows(eval_rows)
+    gen = ctx.generator(layer + 100)  # the pair's own dropout stream
+    divisor = max(ctx.train_count if cfg.sync == "grad" else ctx.local_train, 1)
+    share = ctx.local_train / max(ctx.train_count, 1)
+    rounds, start = cfg.joint_rounds, cfg.layer_rounds(layer)
+    best = BestState()
+    pair.eval()
+    with torch.no_grad():  # the start (the greedy model, computed from the exchanged rows): the score to beat
+        start_val = split_stats(ctx, pair.logits(inputs, eval_adj, eval_rows), eval_rows)["val"].score
+    best.offer(pair, start_val, start - 1)
+    for round_ in range(rounds):
+        comm.epoch = start + round_
+        pair.train()
+        optimizer.zero_grad()
+        logits = pair.logits(inputs, train_adj, train_rows, gen)
+        (F.cross_entropy(logits, ctx.data.y[train_rows], reduction="sum") / divisor).backward()
+        if cfg.sync == "grad":
+            sync_gradients(comm, pair)
+        optimizer.step()
+        last_round = round_ == rounds - 1
+        if cfg.sync == "avg" and ((round_ + 1) % cfg.sync_every == 0 or last_round):
+            average_parameters(comm, pair, share)
+        if (round_ + 1) % cfg.eval_every == 0 or last_round:
+            validate(ctx, pair, layer, start + round_, start + rounds,
+                     lambda: pair.logits(inputs, eval_adj, eval_rows), best, rows=eval_rows)
+            if best.stale(start + round_, cfg.patience):
+                break
+    replaces = best.round >= start
+    pair.eval()
+    if replaces:
+        best.restore(pair)
+        with torch.no_grad():
+            logits = pair.logits(inputs, adj, torch.arange(ctx.data.num_owned, device=ctx.device))
+    summary = {"rounds": round_ + 1, "best_round": best.round, "best_val": best.accuracy, "start_val": start_val,
+               "model": "joint" if replaces else "greedy", "seconds": round(time.perf_counter() - started, 3)}
+    log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", hidden_layer,
+             layer, best.accuracy, best.round, start_val, "kept" if replaces else "the greedy model stays")
+    if not replaces:
+        return JointResult(greedy_logits, last, {}, greedy_round, greedy_val, summary)
+    hidden_state = {HIDDEN_PREFIX + k: v for k, v in pair.hidden.state_dict().items()}
+    return JointResult(logits, pair.last, hidden_state, best.round, best.accuracy, summary)
+
+
+def hidden_of(fit: LayerFit) -> HiddenLayer:
+    """Layer L-1's ``HiddenLayer`` from its kept fit."""
+    return HiddenLayer(fit.module, fit.ctx.config, fit.prepared.aggregated["full"])
