@@ -153,7 +153,8 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
         best.restore(pair)
         with torch.no_grad():
             logits = pair.logits(inputs, adj, torch.arange(ctx.data.num_owned, device=ctx.device))
-    summary = {"rounds": round_ + 1, "best_round": best.round, "best_val": best.accuracy, "start_val": start_val,
+    summary = {"rounds": round_ + 1, "best_round": best.round if replaces else None, "best_val": best.accuracy,
+               "start_val": start_val,
                "model": "joint" if replaces else "greedy", "seconds": round(time.perf_counter() - started, 3)}
     log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", hidden_layer,
              layer, best.accuracy, best.round, start_val, "kept" if replaces else "the greedy model stays")

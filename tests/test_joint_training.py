@@ -1,0 +1,84 @@
+"""The last two layers trained together after the greedy layers (``strategies.joint``).
+
+On Cora (4 random parts, ranks as threads, dropout off) with three layers, so that layer 2's inputs
+(layer 1's embeddings) are dense rows of ``HIDDEN`` floats:
+
+- the greedy layers are untouched: the joint run starts from exactly the model that the run
+  without it keeps (the same validation score, computed from the exchanged aggregates);
+- the one extra exchange is every rank's halo rows of layer 2's aggregated inputs, once: halo rows
+  x HIDDEN x 4 B (twice that for SAGE, which also needs the node's own row), counted from the
+  partition's halo lists;
+- a launch that starts at the last layer (its hidden layers reused from the store) rebuilds layer
+  2's inputs with its halo exchange made again and trains the pair exactly as the launch that
+  trained every layer did;
+- the last layer's stored model holds layer 2's jointly trained block exactly when the pair was kept.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from retexo_core.strategies.joint import HIDDEN_PREFIX
+from training_helpers import comm_log, small_config, train
+
+HIDDEN = 8
+PARTS = 4
+
+
+def manifest(plan, layer: int) -> dict:
+    return json.loads((plan.store.run_dir(plan.run_fp) / f"layer={layer}" / "manifest.json").read_text())
+
+
+def halo_rows(partition) -> int:
+    return sum(pq.read_metadata(partition.path / f"part={i}" / "halo.parquet").num_rows for i in range(PARTS))
+
+
+@pytest.fixture(scope="module", params=["gcn", "sage"])
+def runs(request, cora):
+    config = dict(model=request.param, hidden=HIDDEN, layers=3, rounds=[4, 3, 3], lr=0.05)
+    # 6: every layer in one launch; 0 and 7: layers 1-2 reused from it, the launch starts at layer 3
+    return request.param, {rounds: train(cora.store, cora.dataset, cora.partitions["random"],
+                                         small_config(**config, joint_rounds=rounds)) for rounds in (6, 0, 7)}
+
+
+def test_the_joint_training_starts_from_the_greedy_model(runs) -> None:
+    _, plans = runs
+    greedy, joint = manifest(plans[0], 3), manifest(plans[6], 3)
+    assert "joint" not in greedy["recipe"]
+    assert joint["recipe"]["joint"]["start_val"] == greedy["best_val"]
+    assert manifest(plans[7], 3)["recipe"]["joint"]["start_val"] == greedy["best_val"]
+    for layer in (1, 2):  # the hidden layers are the same stages
+        assert manifest(plans[6], layer)["fp"] == manifest(plans[0], layer)["fp"] == manifest(plans[7], layer)["fp"]
+
+
+def test_a_launch_from_the_last_layer_trains_the_pair_as_one_launch_of_every_layer(runs) -> None:
+    _, plans = runs
+
+    def joint_rounds(plan) -> list[dict]:
+        table = pq.read_table(plan.store.run_dir(plan.run_fp) / "layer=3" / "metrics.parquet").to_pylist()
+        return [r for r in table if r["round"] >= 3]  # after the greedy layer's 3 rounds
+
+    whole, resumed = joint_rounds(plans[6]), joint_rounds(plans[7])
+    assert len(whole) == 6 * 3 and len(resumed) == 7 * 3  # train, val, test per round
+    assert resumed[:len(whole)] == whole
+
+
+def test_the_extra_exchange_is_the_halo_rows_of_the_aggregated_inputs_once(runs, cora) -> None:
+    model, plans = runs
+    rows_sent = 2 if model == "sage" else 1  # SAGE also reads the node's own row
+    assert comm_log(plans[6])["halo_aggregates"] == halo_rows(cora.partitions["random"]) * HIDDEN * 4 * rows_sent
+    assert "halo_aggregates" not in comm_log(plans[0])
+
+
+def test_the_stored_last_layer_holds_the_joint_hidden_block_when_kept(runs) -> None:
+    import torch
+
+    _, plans = runs
+    joint = manifest(plans[6], 3)["recipe"]["joint"]
+    state = torch.load(plans[6].store.run_dir(plans[6].run_fp) / "layer=3" / "model.pt", weights_only=True)
+    hidden_keys = [k for k in state if k.startswith(HIDDEN_PREFIX)]
+    assert bool(hidden_keys) == (joint["model"] == "joint")
+    assert joint["rounds"] == 6
