@@ -14,7 +14,9 @@ official split) per run; where each variant's runs come from:
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
   depth choice's runs of ``depth_choice.json``; GAT on actor, minesweeper and amazon_computers and
   GCN and SAGE on coauthor_cs, ``defaults_runs.json``;
-- ``retexo avg/5 int8``: ``defaults_runs.json``.
+- ``retexo avg/5 int8``: ``defaults_runs.json``;
+- both ``retexo`` variants with GCN and SAGE, since the last two layers train together by default:
+  ``joint_runs.json`` (all of a (graph, model, variant)'s seeds from it where it has any).
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
@@ -82,6 +84,11 @@ def collect_runs() -> dict[Key, Run]:
     for row in load("last_layer_start.json"):
         if row["variant"] == "retexo, last layer from the head":
             runs[("retexo", row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row.get("mb"))
+    joint = load("joint_runs.json")
+    retrained = {(row["variant"], row["graph"], row["model"]) for row in joint}
+    runs = {key: run for key, run in runs.items() if key[:3] not in retrained}
+    for row in joint:
+        runs[(row["variant"], row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
     return runs
 
 

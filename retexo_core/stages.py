@@ -185,8 +185,11 @@ def stored_hidden(ctx: WorkerContext, sink: ResultSink, layer: int) -> HiddenLay
 def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: HiddenLayer) -> LayerResult:
     """The last layer's result once the last two layers trained together (``strategies.joint``):
     the kept model's logits, and the joint run's summary in the layer's recipe."""
-    assert result.kept is not None
-    joint = train_last_two(ctx, hidden, result.module, result.kept.ctx.config, result.best_round, result.best_val,
+    kept = result.kept
+    assert kept is not None
+    before, planned = kept.ctx.progress  # the progress goes on from the kept candidate's rounds
+    mine = dataclasses.replace(ctx, progress=(before + kept.trained - ctx.config.layer_rounds(ctx.config.layers), planned))
+    joint = train_last_two(mine, hidden, result.module, kept.ctx.config, result.best_round, result.best_val,
                            result.outputs["full"])
     return dataclasses.replace(result, module=joint.module, outputs=dict.fromkeys(result.outputs, joint.logits),
                                best_round=joint.best_round, best_val=joint.best_val,

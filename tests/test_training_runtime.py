@@ -204,15 +204,17 @@ def _refs(plan):
 def test_rank_0_reports_its_rounds_with_val_accuracy_and_the_bytes_of_all_ranks(tmp_path: Path,
                                                                                  tiny_plan_factory) -> None:
     """The launcher hears each layer's rounds from the ranks' progress files: rank 0's round and
-    val accuracy, bytes summed over ranks, the last round of every layer included."""
+    val accuracy, bytes summed over ranks, the last round of every layer included (the last layer's
+    rounds followed by those of the last two layers together)."""
     from runner.results import progress_path
 
-    plan = tiny_plan_factory(tmp_path, TrainConfig(recipe="default", hidden=8, rounds=[3, 2], timeout_s=60))
+    plan = tiny_plan_factory(tmp_path, TrainConfig(recipe="default", hidden=8, rounds=[3, 2], joint_rounds=4,
+                                                   timeout_s=60))
     seen = []
     run_training(plan, IN_PROCESS, on_round=seen.append)
-    assert {(p.layer, p.total) for p in seen} == {(1, 3), (2, 2)}
+    assert {(p.layer, p.total) for p in seen} == {(1, 3), (2, 6)}
     # a last round may be heard twice: again when a peer's final byte count lands after rank 0's file
-    assert sorted({(p.layer, p.done) for p in seen if p.done == p.total}) == [(1, 3), (2, 2)]
+    assert sorted({(p.layer, p.done) for p in seen if p.done == p.total}) == [(1, 3), (2, 6)]
     assert all(p.val_acc is not None and 0 <= p.val_acc <= 1 for p in seen)
     assert [p.bytes_sent for p in seen] == sorted(p.bytes_sent for p in seen) and seen[-1].bytes_sent > 0
     assert all(progress_path(plan.store_root, plan.run_fp, layer, rank).is_file() for layer in (1, 2)
