@@ -156,7 +156,8 @@ def test_sql_shows_at_most_the_table_rows_and_streams_every_row_as_csv_or_json(c
 def test_train_logs_each_layer_with_the_best_val_accuracy_which_is_the_kept_models(
         partitioned: dict[str, Piped], cora_store: Path, tmp_path: Path) -> None:
     result = piped(tmp_path, "train", "cora-with-a-rather-long-name", "--parts", "2", "--partition-method", "random",
-                   "--rounds", "12", "--hidden", "32", "--no-choose-depth", store=cora_store, timeout=600)
+                   "--rounds", "12", "--joint-rounds", "12", "--hidden", "32", "--no-choose-depth", store=cora_store,
+                   timeout=600)
     assert result.returncode == 0, result.stderr
     assert_uncut(result)
     assert "━" not in result.stderr
@@ -167,8 +168,8 @@ def test_train_logs_each_layer_with_the_best_val_accuracy_which_is_the_kept_mode
         rounds = [line for line in lines if line.startswith(f"layer {layer}: ") and ", best val " in line]
         # 12 rounds (fewer than --recipe-screen: every candidate of --recipe auto trains them all) per
         # candidate, in turn: on Cora layer 1 tries features, skip, norm, dropout and lr (6 recipes),
-        # layer 2 skip, decay, dropout and lr (5)
-        total = 12 * (6 if layer == 1 else 5)
+        # layer 2 skip, decay, dropout and lr (5), then 12 rounds of the two layers together
+        total = 12 * 6 if layer == 1 else 12 * 5 + 12
         assert rounds and rounds[-1].startswith(f"layer {layer}: {total}/{total}, best val "), lines
         (done,) = [line for line in lines if line.startswith(f"layer {layer}: trained in ")]
         kept[layer] = float(done.rsplit("keeps the model of best val ", 1)[1])
