@@ -78,7 +78,9 @@ def measure_size(store: Path, nodes: int, parts: int, models: list[str], device:
     rows.append(("partition", partition.seconds, partition.peak_tree_bytes, partition.peak_process_bytes))
     for model in models:
         started_at = time.time()
-        train = retexo(store, "train", name, "--parts", str(parts), "--model", model, "--device", device)
+        # without the last two layers together, which run layer L-1 at every halo row (configs/synthetic_1m.yaml)
+        train = retexo(store, "train", name, "--parts", str(parts), "--model", model, "--device", device,
+                       "--joint-rounds", "0")
         run = newest_run(store)
         rows.append((f"train {model} (command)", train.seconds, train.peak_tree_bytes, train.peak_process_bytes))
         rows += layer_phases(run, train, started_at, model)
@@ -107,7 +109,8 @@ def estimates(store: Path, result: dict, parts: int, models: list[str], on_gpu: 
     found = {"ingest": memory_estimate(SyntheticOptions(name=result["name"], nodes=result["nodes"], avg_degree=20)),
              "partition": partition_estimate(ref.num_nodes, ref.num_edges, parts)}
     for model in models:
-        plan = prepare_run(RunRequest.over(st, ref, partition, TrainConfig(model=model)), partitions="stored")
+        plan = prepare_run(RunRequest.over(st, ref, partition, TrainConfig(model=model, joint_rounds=0)),
+                           partitions="stored")
         found[f"train {model} (command)"] = training_memory(plan, plan.world, on_gpu)
     return {stage: estimate.bytes for stage, estimate in found.items()}
 

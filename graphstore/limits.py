@@ -120,6 +120,7 @@ class TrainingSizes:
     halo_nodes: int
     heads: int = 1
     layerwise: bool = True
+    joint: bool = False  # the last two layers train together after the greedy layers (retexo_core/strategies/joint.py)
 
     def worker_data(self) -> float:
         """Bytes one worker holds of the graph and the model, wherever it computes (see
@@ -130,6 +131,8 @@ class TrainingSizes:
         width = max(self.feature_bytes / max(self.nodes, 1), self.hidden * 4)  # the widest row a layer holds
         if self.layerwise:
             rows = owned * ROW_COPIES * width + halo / max(self.workers - 1, 1) * width
+            if self.joint:  # then layer L-1 runs at every owned and halo row, end to end with layer L
+                rows = max(rows, (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES))
         else:
             rows = (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES * max(self.layers - 1, 0))
         graph = self.edges * share * 1.1 * (EDGE_BYTES + 4 * self.heads)
@@ -151,13 +154,16 @@ def training_estimate(sizes: TrainingSizes, on_gpu: bool = False) -> Estimate:
     its transpose's row pointer, (F + 1) int64. The whole tree adds the launching command
     (``COMMAND_BASE``). Calibrated on ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and
     SAGE; see docs/scale.md). Workers that compute ``on_gpu`` also hold the CUDA runtime's host
-    memory (``CUDA_HOST`` each).
+    memory (``CUDA_HOST`` each). Where the last two layers train together (``joint``), layer L-1
+    runs at every owned and halo row with layer L, so those rows count as end to end.
     """
     per_worker = WORKER_BASE + sizes.worker_data() + (CUDA_HOST if on_gpu else 0)
+    advice = "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features"
     return Estimate(
         f"training with {sizes.workers} worker process(es) ({sizes.features:,} input features, hidden "
         f"{sizes.hidden}) on {sizes.nodes:,} nodes", int(per_worker * sizes.workers + COMMAND_BASE),
-        "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features")
+        advice + (", or --joint-rounds 0 (the last two layers together hold every halo row's activations)"
+                  if sizes.joint else ""))
 
 
 def gpu_estimate(sizes: TrainingSizes, gpu: str, ranks: int) -> Estimate:

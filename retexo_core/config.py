@@ -328,6 +328,15 @@ class TrainConfig(BaseModel):
         return self.weight_decay_layers == "all" or layer == 1
 
     @property
+    def trains_jointly(self) -> bool:
+        """Whether the last two layers train together after the greedy layers
+        (``strategies/joint.py``): ``joint_rounds`` > 0, layer-wise GCN or SAGE with two layers or
+        more, task node, transductive, full batch, over a halo (not the isolated strategies)."""
+        return (self.joint_rounds > 0 and self.is_layerwise and self.model in ("gcn", "sage") and self.layers >= 2
+                and self.task == "node" and self.setting == "transductive" and self.batch_size is None
+                and not self.strategy_spec.isolated)
+
+    @property
     def strategy_spec(self) -> StrategySpec:
         return spec(self.strategy)
 

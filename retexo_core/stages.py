@@ -31,7 +31,7 @@ from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import KNOB_NAMES, apply_knobs, search_for
 from retexo_core.link import link_evaluation, pair_scores, recommendations
 from retexo_core.strategies.link import LinkFit, LinkInputs
-from retexo_core.strategies.joint import HiddenLayer, hidden_of, train_last_two, trains_jointly
+from retexo_core.strategies.joint import HiddenLayer, hidden_of, train_last_two
 from retexo_core.strategies.retexo import (
     LayerFit, LayerInputs, LayerResult, Views, features_transform, new_layer, train_layer,
 )
@@ -204,7 +204,7 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
     starts_at_last = node_task and cfg.warm_start is None and 1 < layers[0] == cfg.layers
     head = stored_head(ctx, sink, layers[0] - 1) if starts_at_last else None
     log_start = 0
-    joint = trains_jointly(cfg)
+    joint = cfg.trains_jointly
     hidden: HiddenLayer | None = None
     for layer in layers:
         started = time.perf_counter()

@@ -45,15 +45,6 @@ KIND = "halo_aggregates"
 HIDDEN_PREFIX = "joint_hidden."  # layer L-1's block in the last layer's stored state, where the pair replaced the greedy model
 
 
-def trains_jointly(config: TrainConfig) -> bool:
-    """Whether a run of ``config`` trains its last two layers together after the greedy layers:
-    ``joint_rounds`` > 0, layer-wise GCN or SAGE with two layers or more, task node, transductive,
-    full batch, over a halo (not the isolated strategies)."""
-    return (config.joint_rounds > 0 and config.is_layerwise and config.model in ("gcn", "sage")
-            and config.layers >= 2 and config.task == "node" and config.setting == "transductive"
-            and config.batch_size is None and not config.strategy_spec.isolated)
-
-
 @dataclass
 class HiddenLayer:
     """Layer L-1 as its greedy fit kept it."""

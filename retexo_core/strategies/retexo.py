@@ -44,7 +44,7 @@ from retexo_core.models import (
     start_from_head,
 )
 from retexo_core.recipe import apply_knobs, search_for
-from retexo_core.strategies.joint import HIDDEN_PREFIX, trains_jointly
+from retexo_core.strategies.joint import HIDDEN_PREFIX
 from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
@@ -402,7 +402,7 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
                                                           keep_own=skips)))
     screen = base.screen_rounds if search.size > 1 else base.layer_rounds(layer)
     total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
-    if layer == base.layers and trains_jointly(base):
+    if layer == base.layers and base.trains_jointly:
         total += base.joint_rounds  # the last two layers' rounds together follow (stages.with_last_two_together)
     spent = 0
     kept: LayerFit | None = None
