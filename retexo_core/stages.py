@@ -31,7 +31,7 @@ from retexo_core.strategies.isolated import isolated_context
 from retexo_core.recipe import KNOB_NAMES, apply_knobs, search_for
 from retexo_core.link import link_evaluation, pair_scores, recommendations
 from retexo_core.strategies.link import LinkFit, LinkInputs
-from retexo_core.strategies.joint import HiddenLayer, hidden_of, train_last_two
+from retexo_core.strategies.joint import HiddenLayer, hidden_layer, hidden_of, train_last_two
 from retexo_core.strategies.retexo import (
     LayerFit, LayerInputs, LayerResult, Views, features_transform, new_layer, train_layer,
 )
@@ -179,7 +179,7 @@ def stored_hidden(ctx: WorkerContext, sink: ResultSink, layer: int) -> HiddenLay
     module.load_state_dict({k: part.view(s) for (k, s), part in zip(shapes.items(), parts)})
     inputs = LayerInputs.exchanged(mine, layer, ctx.config.model, own, [features_transform(ctx.config, knobs)],
                                    keep_own=bool(mine.config.skip))[0]
-    return HiddenLayer(module, mine.config, inputs.aggregated["full"])
+    return hidden_layer(module, mine.config, inputs.aggregated["full"])
 
 
 def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: HiddenLayer) -> LayerResult:

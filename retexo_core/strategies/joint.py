@@ -78,8 +78,7 @@ class Pair(nn.Module):
         """(t, classes) logits of the owned ``targets`` from layer L-1's aggregated inputs of the
         owned and halo rows (N, d) and ``adj``, the targets' rows of the local graph (t, N)."""
         h = self.hidden.from_aggregated(inputs, gen)  # (N, hidden): owned rows, then the halo's
-        own = h[targets] if inputs.own is not None else None
-        return self.last.logits(self.last.block.from_aggregated(Aggregated(spmm(adj, h), own), gen), gen)
+        return self.last.logits(self.last.block.from_aggregated(Aggregated(spmm(adj, h), h[targets]), gen), gen)
 
 
 def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
@@ -155,6 +154,14 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
     return JointResult(logits, pair.last, hidden_state, best.round, best.accuracy, summary)
 
 
+def hidden_layer(module: LayerWithHead, config: TrainConfig, aggregated: Aggregated) -> HiddenLayer:
+    """Layer L-1 with the aggregated inputs its block reads: the node's own rows only where it has a
+    skip connection or is SAGE (the inputs may hold them for another recipe candidate)."""
+    block = module.block
+    reads_own = block.model == "sage" or block.skip is not None
+    return HiddenLayer(module, config, Aggregated(aggregated.neigh, aggregated.own if reads_own else None))
+
+
 def hidden_of(fit: LayerFit) -> HiddenLayer:
     """Layer L-1's ``HiddenLayer`` from its kept fit."""
-    return HiddenLayer(fit.module, fit.ctx.config, fit.prepared.aggregated["full"])
+    return hidden_layer(fit.module, fit.ctx.config, fit.prepared.aggregated["full"])
