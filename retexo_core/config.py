@@ -115,12 +115,12 @@ class TrainConfig(BaseModel):
     rounds: int | list[int] = option(200, "Layer-wise training: rounds per layer, one value or one per layer "
                                      "(comma list on the command line); 0 only with warm_start.", scope="per_layer",
                                      strategies=LAYERWISE)
-    joint_rounds: int = option(
-        200, "Layer-wise GCN / SAGE (task node, transductive, full batch): after the last layer, train the last two "
-        "layers together for this many rounds from their greedy parameters, from one more halo exchange (layer "
-        "L-1's aggregated inputs of the halo nodes) and the usual gradient sync or averaging; the pair replaces "
-        "the greedy model only where it scores higher on validation. 0: off. See docs/accuracy.md, the last two "
-        "layers together.", scope="last", strategies=LAYERWISE, ge=0)
+    joint_rounds: int | None = option(
+        None, "Layer-wise GCN / SAGE (task node, transductive, full batch): after the last layer, train the last "
+        "two layers together for this many rounds (default: the last layer's rounds) from their greedy parameters, "
+        "from one more halo exchange (layer L-1's aggregated inputs of the halo nodes) and the usual gradient sync "
+        "or averaging; the pair replaces the greedy model only where it scores higher on validation. 0: off. See "
+        "docs/training.md, the last two layers together.", scope="last", strategies=LAYERWISE, ge=0)
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
                                     strategies=LAYERWISE, ge=1)
@@ -328,11 +328,16 @@ class TrainConfig(BaseModel):
         return self.weight_decay_layers == "all" or layer == 1
 
     @property
+    def last_two_rounds(self) -> int:
+        """Rounds of the last two layers together: ``joint_rounds``, or the last layer's rounds."""
+        return self.layer_rounds(self.layers) if self.joint_rounds is None else self.joint_rounds
+
+    @property
     def trains_jointly(self) -> bool:
         """Whether the last two layers train together after the greedy layers
-        (``strategies/joint.py``): ``joint_rounds`` > 0, layer-wise GCN or SAGE with two layers or
+        (``strategies/joint.py``): ``last_two_rounds`` > 0, layer-wise GCN or SAGE with two layers or
         more, task node, transductive, full batch, over a halo (not the isolated strategies)."""
-        return (self.joint_rounds > 0 and self.is_layerwise and self.model in ("gcn", "sage") and self.layers >= 2
+        return (self.last_two_rounds > 0 and self.is_layerwise and self.model in ("gcn", "sage") and self.layers >= 2
                 and self.task == "node" and self.setting == "transductive" and self.batch_size is None
                 and not self.strategy_spec.isolated)
 

@@ -166,8 +166,19 @@ class RunFolder:
         return read_manifest(folder, LayerManifest).recipe
 
     def initial_state(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """The warm-start run's layer; for layer L-1, its block as the last two layers trained on it
+        where the warm-start run kept that pair (the last layer's ``joint_hidden.*``)."""
+        from retexo_core.strategies.joint import HIDDEN_PREFIX
+
         warm = self.config.warm_start
-        return None if warm is None else self._stored_model(warm, layer)
+        if warm is None:
+            return None
+        state = self._stored_model(warm, layer)
+        if layer == self.config.layers - 1:
+            last = self._stored_model(warm, self.config.layers)
+            state.update({"block." + k.removeprefix(HIDDEN_PREFIX): v for k, v in last.items()
+                          if k.startswith(HIDDEN_PREFIX)})
+        return state
 
     def progress(self, layer: int, part: int, done: int, total: int, val_acc: float | None, bytes_sent: int) -> None:
         """``ResultSink.progress``: this rank's position and its best val accuracy so far, in

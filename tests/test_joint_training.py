@@ -85,3 +85,22 @@ def test_the_stored_last_layer_holds_the_joint_hidden_block_when_kept(runs) -> N
     hidden_keys = [k for k in state if k.startswith(HIDDEN_PREFIX)]
     assert bool(hidden_keys) == (joint["model"] == "joint")
     assert joint["rounds"] == 6
+
+
+def test_a_warm_start_with_no_rounds_evaluates_the_kept_pair(runs, cora) -> None:
+    """A warm start from the run that trained the pair starts layer 2 from its block as trained on,
+    so that 0 rounds evaluate the run's own model: the same validation score, the same logits."""
+    import numpy as np
+
+    from graphstore.runs import read_embeddings
+
+    _, plans = runs
+    source = plans[6]
+    config = small_config(model=source.config.model, hidden=HIDDEN, layers=3, rounds=0, warm_start=source.run_fp,
+                          recipe=source.config.recipe)
+    warm = train(cora.store, cora.dataset, cora.partitions["random"], config)
+    run_manifests = [json.loads((p.store.run_dir(p.run_fp) / "manifest.json").read_text()) for p in (warm, source)]
+    assert run_manifests[0]["val_acc"] == run_manifests[1]["val_acc"]
+    for part in range(PARTS):
+        logits = [read_embeddings(p.store.embeddings_path(p.run_fp, 3, part))[1]["full"] for p in (warm, source)]
+        np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)

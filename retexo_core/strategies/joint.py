@@ -11,7 +11,7 @@ rows with the shared parameters and layer L over its owned rows, which is what t
 would compute. Gradients are summed every round (``sync=grad``) or the models averaged every
 ``sync_every`` rounds (``sync=avg``), as in the layers' own training.
 
-The pair starts from the greedy parameters and trains ``joint_rounds`` rounds with each layer's
+The pair starts from the greedy parameters and trains ``last_two_rounds`` rounds with each layer's
 chosen recipe (dropout after aggregation, learning rate, weight decay); the best round on
 validation is kept only when it beats the greedy model's validation score, so it never replaces a
 better greedy model. GAT cannot: attention at a halo node needs that node's neighbours' inputs.
@@ -96,15 +96,15 @@ def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
 def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead, last_config: TrainConfig,
                    greedy_round: int, greedy_val: float, greedy_logits: torch.Tensor) -> JointResult:
     """Layers L-1 and L together from their greedy parameters (copies: the greedy modules stay as
-    they are), ``ctx.config.joint_rounds`` rounds; see the module docstring."""
+    they are), ``ctx.config.last_two_rounds`` rounds; see the module docstring."""
     cfg, comm, layer = ctx.config, ctx.comm, ctx.config.layers
     started = time.perf_counter()
     inputs = halo_aggregates(ctx, hidden.inputs)
     pair = Pair(copy.deepcopy(hidden.module), copy.deepcopy(last))
-    hidden_layer = layer - 1
+    previous = layer - 1
     optimizer = torch.optim.Adam([
-        {"params": pair.hidden.parameters(), "lr": hidden.config.layer_lr(hidden_layer),
-         "weight_decay": hidden.config.weight_decay if hidden.config.decays_layer(hidden_layer) else 0.0},
+        {"params": pair.hidden.parameters(), "lr": hidden.config.layer_lr(previous),
+         "weight_decay": hidden.config.weight_decay if hidden.config.decays_layer(previous) else 0.0},
         {"params": pair.last.parameters(), "lr": last_config.layer_lr(layer),
          "weight_decay": last_config.weight_decay if last_config.decays_layer(layer) else 0.0},
     ], fused=True)
@@ -114,7 +114,7 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
     gen = ctx.generator(layer + 100)  # the pair's own dropout stream
     divisor = max(ctx.train_count if cfg.sync == "grad" else ctx.local_train, 1)
     share = ctx.local_train / max(ctx.train_count, 1)
-    rounds, start = cfg.joint_rounds, cfg.layer_rounds(layer)
+    rounds, start = cfg.last_two_rounds, cfg.layer_rounds(layer)
     best = BestState()
     pair.eval()
     with torch.no_grad():  # the start (the greedy model, computed from the exchanged rows): the score to beat
@@ -146,7 +146,7 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
     summary = {"rounds": round_ + 1, "best_round": best.round if replaces else None, "best_val": best.accuracy,
                "start_val": start_val,
                "model": "joint" if replaces else "greedy", "seconds": round(time.perf_counter() - started, 3)}
-    log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", hidden_layer,
+    log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", previous,
              layer, best.accuracy, best.round, start_val, "kept" if replaces else "the greedy model stays")
     if not replaces:
         return JointResult(greedy_logits, last, {}, greedy_round, greedy_val, summary)
