@@ -123,8 +123,9 @@ def measure(store: Path, graph: Graph, device: str, whats: list[str]) -> list[tu
     plain = pyg_reference(load_plain(dataset), "gcn", graph.hidden, epochs, device=device)
     rows = [("plain PyG GCN (1 process)", {**plain, "loop_ms": 1000 * plain["train_s"] / epochs})]  # its loop only
     done(graph, device, *rows[-1])
+    # the greedy layers' round loops (without the last two layers together, whose rounds run end to end)
     common = ["--hidden", str(graph.hidden), "--rounds", str(rounds), "--epochs", str(epochs), "--recipe", "default",
-              "--device", device]
+              "--joint-rounds", "0", "--device", device]
     for what in whats:
         label, extra, partitioned = WHAT[what]
         partition = ["--partition-method", "metis", "--parts", str(graph.parts)] if partitioned else []
