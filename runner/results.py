@@ -154,12 +154,12 @@ class RunFolder:
         verify_files(folder, ["model.pt"], LayerManifest)
         return torch.load(folder / "model.pt", weights_only=True)
 
-    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
-        state = self._stored_model(self.run_fp, layer)
-        return {"weight": state["head.weight"], "bias": state["head.bias"]}
-
     def stored_state(self, layer: int) -> dict[str, torch.Tensor]:
         return self._stored_model(self.run_fp, layer)
+
+    def stored_head(self, layer: int) -> dict[str, torch.Tensor]:
+        state = self.stored_state(layer)
+        return {"weight": state["head.weight"], "bias": state["head.bias"]}
 
     def stored_recipe(self, layer: int) -> dict[str, Any]:
         folder = Store(Path(self.store_root)).layer_dir(self.run_fp, layer)
