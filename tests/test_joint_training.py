@@ -69,6 +69,19 @@ def test_a_launch_from_the_last_layer_trains_the_pair_as_one_launch_of_every_lay
     assert resumed[:len(whole)] == whole
 
 
+@pytest.mark.parametrize("sync", ["grad", "avg"])
+def test_the_pair_validates_every_round_with_gradient_sync_and_at_averaging_points_with_avg(sync, cora) -> None:
+    """With ``eval_every`` 3: gradient sync validates all 6 rounds of the pair (its best rounds are
+    few; see the module docstring), model averaging every 3 rounds only (where the ranks hold one
+    model): rounds 5 and 8, after the greedy layer's 3 rounds."""
+    config = small_config(model="gcn", hidden=HIDDEN, layers=2, rounds=3, lr=0.05, eval_every=3, sync=sync,
+                          sync_every=3, joint_rounds=6)
+    plan = train(cora.store, cora.dataset, cora.partitions["random"], config)
+    table = pq.read_table(plan.store.run_dir(plan.run_fp) / "layer=2" / "metrics.parquet").to_pylist()
+    validated = sorted({r["round"] for r in table if r["round"] >= 3})
+    assert validated == ([3, 4, 5, 6, 7, 8] if sync == "grad" else [5, 8])
+
+
 def test_the_extra_exchange_is_the_halo_rows_of_the_aggregated_inputs_once(runs, cora) -> None:
     model, plans = runs
     rows_sent = 2 if model == "sage" else 1  # SAGE also reads the node's own row
