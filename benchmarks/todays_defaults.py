@@ -16,7 +16,9 @@ official split) per run; where each variant's runs come from:
   GCN and SAGE on coauthor_cs, ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``;
 - both ``retexo`` variants with GCN and SAGE, since the last two layers train together by default:
-  ``joint_runs.json`` (all of a (graph, model, variant)'s seeds from it where it has any).
+  ``joint_runs.json`` (all of a (graph, model, variant)'s seeds from it where it has any;
+  ``joint_validated_every_5.json``, not read, holds the gradient-sync runs it replaced, from before
+  the pair validated every round).
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
