@@ -149,7 +149,8 @@ class TrainConfig(BaseModel):
     bns_rate: float = option(1.0, "standard: fraction of boundary nodes sampled per epoch (BNS-GCN).", scope="run",
                              strategies=("standard",), gt=0, le=1)
     eval_every: int = option(5, "Rounds (layer-wise) or epochs (end-to-end) between validation passes; the "
-                             "parameters with the best validation accuracy are kept.", scope="layer", ge=1)
+                             "parameters with the best validation accuracy are kept. The last two layers trained "
+                             "together validate every round with gradient sync.", scope="layer", ge=1)
     layerwise: bool = option(False, "centralized: train layer by layer like Retexo.", scope="layer",
                              strategies=OPTIONALLY_LAYERWISE)
     varco_c_max: float = option(8.0, "varco: compression ratio at the first epoch.", scope="run",
