@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -23,12 +24,24 @@ def run_together(commands: list[list[str]], env: dict[str, str], timeout: float,
     procs = [subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, preexec_fn=setup)
              for command, setup in zip(commands, setups, strict=True)]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outputs = communicate_all(procs, timeout)
     return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def communicate_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process once all have exited, each within ``timeout`` s; whatever
+    is left is killed, also when waiting fails.
+
+    The pipes of all of them are read at once: waiting on one process while another's full pipe
+    blocks it (its peers then wait on it in a collective) would hang both.
+    """
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = [pool.submit(p.communicate, timeout=timeout) for p in procs]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for p in procs:
+                p.kill()
 
 
 def cpu_share(node: int, nodes: int) -> Callable[[], None]:

@@ -18,7 +18,7 @@ import torch
 from conftest import CORA_DIR, REPO, cli_env, run_cli
 from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import Store
-from processes import cpu_share
+from processes import communicate_all, cpu_share
 from runner.launch import free_port
 from training_helpers import worker_processes
 
@@ -62,12 +62,7 @@ def start_nodes(job: Path, store: Path, max_restarts: int) -> list[subprocess.Po
 
 
 def finish(nodes: list[subprocess.Popen[str]], timeout: float = 300) -> None:
-    try:
-        outputs = [node.communicate(timeout=timeout) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    outputs = communicate_all(nodes, timeout)
     assert [node.returncode for node in nodes] == [0, 0], outputs
 
 

@@ -27,6 +27,7 @@ from retexo_core.config import TrainConfig
 from runner.launch import free_port
 from runner.lifecycle import LaunchOptions, launch_layers, run_training
 from runner.plan import layer_state, plan_run
+from processes import communicate_all
 from training_helpers import IN_PROCESS, run_and_kill_a_worker
 
 N, F, C = 90, 6, 3
@@ -142,14 +143,17 @@ def test_a_killed_worker_fails_the_run_quickly_naming_its_rank(tmp_path: Path) -
 @pytest.mark.slow
 def test_two_worker_launches_as_node_0_and_node_1_train_one_model_at_each_depth(tmp_path: Path) -> None:
     """Two ``retexo worker`` launches, one per node, train the run and the run one layer deeper
-    (the depth choice, on by default), each over both nodes' ranks."""
+    (the depth choice), each over both nodes' ranks."""
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({
         "dataset": {"name": "cora"},
         "partition": {"method": "metis", "parts": 2},
-        "train": {"strategy": "retexo", "hidden": 16, "rounds": 20, "lr": 0.05, "timeout_s": 60},
+        # the default recipe: the search (tested on its own) took this test past 5 minutes on a
+        # busy machine
+        "train": {"strategy": "retexo", "recipe": "default", "choose_depth": True, "hidden": 16, "rounds": 20,
+                  "lr": 0.05, "timeout_s": 60},
     }))
     port = free_port()
     nodes = [
@@ -160,7 +164,7 @@ def test_two_worker_launches_as_node_0_and_node_1_train_one_model_at_each_depth(
                          stdin=subprocess.DEVNULL)
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
+    outputs = communicate_all(nodes, timeout=600)
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "node 1: ranks [1] finished" in outputs[1][1]
     manifests = {len(json.loads(p.read_text())["layers"]): p for p in (store / "runs").glob("run=*/manifest.json")}
