@@ -117,3 +117,68 @@ def test_a_warm_start_with_no_rounds_evaluates_the_kept_pair(runs, cora) -> None
     for part in range(PARTS):
         logits = [read_embeddings(p.store.embeddings_path(p.run_fp, 3, part))[1]["full"] for p in (warm, source)]
         np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
+
+
+def test_a_fresh_pair_trains_after_the_pair_with_its_sync_and_no_more_halo_traffic(cora) -> None:
+    """``joint_fresh``: the pair trains as without it (the same metrics, round by round), then the
+    pair from the layers' initial parameters as many rounds: as many bytes again in its rounds, the
+    same one extra exchange; the kept model is the best on validation of the greedy model and the
+    two pairs, and the stored last layer holds the hidden block of the pair kept."""
+    import torch
+
+    # a skip connection in the last layer only: the fresh pair's stays zero and frozen
+    config = small_config(model="gcn", hidden=HIDDEN, layers=2, rounds=3, lr=0.05, joint_rounds=6,
+                          recipe='{"layers": {"2": {"skip": true}}}')
+    plans = [train(cora.store, cora.dataset, cora.partitions["random"], config.model_copy(update={"joint_fresh": f}))
+             for f in (False, True)]
+
+    def metrics(plan) -> list[dict]:
+        return pq.read_table(plan.store.run_dir(plan.run_fp) / "layer=2" / "metrics.parquet").to_pylist()
+
+    def synced(plan, first: int, last: int) -> int:
+        comm = pq.read_table(plan.store.run_dir(plan.run_fp) / "comm.parquet").to_pandas()
+        rounds = comm[(comm["layer"] == 2) & comm["epoch"].between(first, last) & (comm["kind"] == "grad_sync")]
+        return int(rounds["bytes"].sum())
+
+    plain, fresh = (metrics(p) for p in plans)
+    assert fresh[:len(plain)] == plain
+    assert sorted({r["round"] for r in fresh if r["round"] >= 3}) == list(range(3, 15))
+    assert synced(plans[1], 3, 8) == synced(plans[0], 3, 8) == synced(plans[1], 9, 14) > 0
+    assert comm_log(plans[1])["halo_aggregates"] == comm_log(plans[0])["halo_aggregates"]
+    joint = manifest(plans[1], 2)["recipe"]["joint"]
+    best_pair = max(r["acc"] for r in fresh if r["split"] == "val" and 3 <= r["round"] < 9)
+    assert joint["best_val"] == max(joint["start_val"], best_pair, joint["fresh_best_val"])
+    assert joint["fresh_rounds"] == joint["rounds"] == 6
+    state = torch.load(plans[1].store.run_dir(plans[1].run_fp) / "layer=2" / "model.pt", weights_only=True)
+    assert any(k.startswith(HIDDEN_PREFIX) for k in state) == (joint["model"] != "greedy")
+
+
+@pytest.mark.parametrize("hidden_skip", [False, True])
+def test_the_fresh_pair_has_the_greedy_pairs_parameters_and_layer_l_minus_1s_recipe(hidden_skip: bool) -> None:
+    """The fresh pair's state has the greedy pair's keys and shapes (the kept one loads where the
+    greedy one would); its blocks start from the parameters ``new_layer`` draws for them; it drops
+    out at layer L-1's rate; layer L's skip connection is zero and frozen where layer L-1 has none."""
+    import torch
+
+    from retexo_core.models import Block, LayerWithHead, seeded
+    from retexo_core.strategies.joint import Pair, fresh_pair
+
+    def layer(k: int, in_dim: int, out_dim: int, dropout: float, skip: bool) -> LayerWithHead:
+        with seeded(7 * 1000 + k):
+            return LayerWithHead(Block("gcn", in_dim, out_dim, 1, dropout, last=k == 2, skip=skip), 3)
+
+    hidden, last = layer(1, 5, HIDDEN, 0.2, hidden_skip), layer(2, HIDDEN, 3, 0.5, True)
+    initial = {k: v.clone() for k, v in Pair(hidden, last).state_dict().items()}
+    for module in (hidden, last):  # as trained: the fresh pair must not start from these
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    fresh = fresh_pair(hidden, last, seed=7, layer=2, classes=3, device=torch.device("cpu"))
+    state = fresh.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in initial.items()}
+    assert fresh.hidden.p == fresh.last.block.p == 0.2
+    skip = fresh.last.block.skip.weight
+    assert skip.requires_grad == hidden_skip and bool(skip.eq(0).all()) != hidden_skip
+    for key, value in state.items():
+        if key != "last.block.skip.weight" or hidden_skip:
+            assert torch.equal(value, initial[key]), key

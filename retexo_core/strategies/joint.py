@@ -18,8 +18,10 @@ better greedy model. With gradient sync the pair validates every round, whatever
 from a trained start its best rounds are few and early (on CiteSeer, 19 to 35 rounds in), which a
 pass every 5 rounds often misses, and a pass costs one forward pass and one all-reduce of a few
 counts, no halo traffic. With model averaging it validates every ``eval_every`` rounds, as the
-layers do (by default the averaging points, where the ranks hold one model). GAT cannot: attention
-at a halo node needs that node's neighbours' inputs.
+layers do (by default the averaging points, where the ranks hold one model). With ``joint_fresh``
+the pair then trains again from the layers' initial parameters (``fresh_pair``), as many rounds on
+the same rows, and the best on validation of the three is kept. GAT cannot: attention at a halo
+node needs that node's neighbours' inputs.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import nn
 
 from retexo_core.config import TrainConfig
 from retexo_core.exchange import exchange_rows, stack_rows
-from retexo_core.models import Aggregated, Features, LayerWithHead
+from retexo_core.models import Aggregated, Block, Features, LayerWithHead, seeded
 from retexo_core.sparse import SparseMatrix, spmm
 from retexo_core.strategies.common import (
     BestState, WorkerContext, average_parameters, split_stats, sync_gradients, validate,
@@ -98,36 +100,103 @@ def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
     return Aggregated(rows(owned.neigh), None if owned.own is None else rows(owned.own))
 
 
+def fresh_pair(hidden: LayerWithHead, last: LayerWithHead, seed: int, layer: int, classes: int,
+               device: torch.device) -> Pair:
+    """Layers ``layer`` - 1 and ``layer`` built again from their initial parameters (the seeds
+    ``new_layer`` draws from for training seed ``seed``) on ``device``, with the same blocks as ``hidden`` and ``last`` (so that the kept one loads where the
+    greedy one would) and, as end-to-end training has one recipe, layer L-1's dropout in both.
+    Layer L's skip connection, chosen for a layer trained on frozen inputs, starts at zero and stays
+    there where layer L-1 has none: on CiteSeer the pair trained from scratch with it fits the few
+    training labels through the nodes' own rows (docs/accuracy.md)."""
+
+    def block_like(block: Block, seed: int) -> Block:
+        conv = block.conv
+        in_dim = (conv.lin if block.model == "gcn" else conv.lin_l).weight.shape[1]
+        with seeded(seed):
+            return Block(block.model, in_dim, block.out_dim, 1, hidden.block.p, block.last,
+                         norm=block.norm is not None, skip=block.skip is not None).to(device)
+
+    fresh_hidden = LayerWithHead(block_like(hidden.block, seed * 1000 + layer - 1), classes)
+    fresh_last = LayerWithHead(block_like(last.block, seed * 1000 + layer), classes)
+    skip = fresh_last.block.skip
+    if skip is not None and hidden.block.skip is None:
+        torch.nn.init.zeros_(skip.weight)
+        skip.weight.requires_grad_(False)
+    return Pair(fresh_hidden, fresh_last)
+
+
 def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead, last_config: TrainConfig,
                    greedy_round: int, greedy_val: float, greedy_logits: torch.Tensor) -> JointResult:
     """Layers L-1 and L together from their greedy parameters (copies: the greedy modules stay as
-    they are), ``ctx.config.last_two_rounds`` rounds; see the module docstring."""
-    cfg, comm, layer = ctx.config, ctx.comm, ctx.config.layers
+    they are), ``ctx.config.last_two_rounds`` rounds, then with ``joint_fresh`` from their initial
+    parameters as many rounds; see the module docstring."""
+    cfg, layer = ctx.config, ctx.config.layers
     started = time.perf_counter()
     inputs = halo_aggregates(ctx, hidden.inputs)
     pair = Pair(copy.deepcopy(hidden.module), copy.deepcopy(last))
-    previous = layer - 1
-    optimizer = torch.optim.Adam([
-        {"params": pair.hidden.parameters(), "lr": hidden.config.layer_lr(previous),
-         "weight_decay": hidden.config.weight_decay if hidden.config.decays_layer(previous) else 0.0},
-        {"params": pair.last.parameters(), "lr": last_config.layer_lr(layer),
-         "weight_decay": last_config.weight_decay if last_config.decays_layer(layer) else 0.0},
-    ], fused=True)
     adj = ctx.graphs["full"].adj
-    train_rows, eval_rows = ctx.train_rows, ctx.eval_rows
-    train_adj, eval_adj = adj.select_rows(train_rows), adj.select_rows(eval_rows)
-    gen = ctx.generator(layer + 100)  # the pair's own dropout stream
-    divisor = max(ctx.train_count if cfg.sync == "grad" else ctx.local_train, 1)
-    share = ctx.local_train / max(ctx.train_count, 1)
+    eval_rows = ctx.eval_rows
+    eval_adj = adj.select_rows(eval_rows)
     rounds, start = cfg.last_two_rounds, cfg.layer_rounds(layer)
-    every = 1 if cfg.sync == "grad" else cfg.eval_every  # validation passes: see the module docstring
     best = BestState()
     pair.eval()
     with torch.no_grad():  # the start (the greedy model, computed from the exchanged rows): the score to beat
         start_val = split_stats(ctx, pair.logits(inputs, eval_adj, eval_rows), eval_rows)["val"].score
     best.offer(pair, start_val, start - 1)
+    hidden_rates = rates(hidden.config, layer - 1)
+    trained = train_pair(ctx, pair, (hidden_rates, rates(last_config, layer)), inputs, best, start, stream=layer + 100)
+    kept, summary = pair, {"rounds": trained}
+    if cfg.joint_fresh:  # its own best: patience counts from its own rounds
+        fresh = fresh_pair(hidden.module, last, cfg.seed, layer, ctx.output_width, ctx.device)
+        fresh_best = BestState()
+        summary["fresh_rounds"] = train_pair(ctx, fresh, (hidden_rates, hidden_rates), inputs, fresh_best,
+                                             start + rounds, stream=layer + 200)
+        summary["fresh_best_val"] = fresh_best.accuracy
+        if fresh_best.accuracy > best.accuracy:
+            kept, best = fresh, fresh_best
+    replaces = best.round >= start
+    model = "greedy" if not replaces else "fresh" if kept is not pair else "joint"
+    kept.eval()
+    if replaces:
+        best.restore(kept)
+        with torch.no_grad():
+            logits = kept.logits(inputs, adj, torch.arange(ctx.data.num_owned, device=ctx.device))
+    summary |= {"best_round": best.round if replaces else None, "best_val": best.accuracy, "start_val": start_val,
+                "model": model, "seconds": round(time.perf_counter() - started, 3)}
+    log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", layer - 1,
+             layer, best.accuracy, best.round, start_val, "the greedy model stays" if not replaces else f"{model} kept")
+    if not replaces:
+        return JointResult(greedy_logits, last, {}, greedy_round, greedy_val, summary)
+    hidden_state = {HIDDEN_PREFIX + k: v for k, v in kept.hidden.state_dict().items()}
+    return JointResult(logits, kept.last, hidden_state, best.round, best.accuracy, summary)
+
+
+def rates(config: TrainConfig, layer: int) -> tuple[float, float]:
+    """(learning rate, weight decay) of ``layer`` under ``config``'s recipe."""
+    return config.layer_lr(layer), config.weight_decay if config.decays_layer(layer) else 0.0
+
+
+def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, float], tuple[float, float]],
+               inputs: Aggregated, best: BestState, first_round: int, stream: int) -> int:
+    """Train ``pair`` for ``ctx.config.last_two_rounds`` rounds numbered from ``first_round`` (the
+    comm log's epochs) with dropout drawn from ``stream``, each layer with its (learning rate,
+    weight decay) of ``layer_rates``, offering its validated rounds to ``best``; returns the rounds
+    trained (fewer on early stopping)."""
+    cfg, comm, layer = ctx.config, ctx.comm, ctx.config.layers
+    optimizer = torch.optim.Adam([{"params": [p for p in part.parameters() if p.requires_grad], "lr": lr,
+                                   "weight_decay": decay}
+                                  for part, (lr, decay) in zip((pair.hidden, pair.last), layer_rates, strict=True)],
+                                 fused=True)
+    adj = ctx.graphs["full"].adj
+    train_rows, eval_rows = ctx.train_rows, ctx.eval_rows
+    train_adj, eval_adj = adj.select_rows(train_rows), adj.select_rows(eval_rows)
+    gen = ctx.generator(stream)
+    divisor = max(ctx.train_count if cfg.sync == "grad" else ctx.local_train, 1)
+    share = ctx.local_train / max(ctx.train_count, 1)
+    rounds, total = cfg.last_two_rounds, first_round + cfg.last_two_rounds
+    every = 1 if cfg.sync == "grad" else cfg.eval_every  # validation passes: see the module docstring
     for round_ in range(rounds):
-        comm.epoch = start + round_
+        comm.epoch = first_round + round_
         pair.train()
         optimizer.zero_grad()
         logits = pair.logits(inputs, train_adj, train_rows, gen)
@@ -139,25 +208,11 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
         if cfg.sync == "avg" and ((round_ + 1) % cfg.sync_every == 0 or last_round):
             average_parameters(comm, pair, share)
         if (round_ + 1) % every == 0 or last_round:
-            validate(ctx, pair, layer, start + round_, start + rounds,
+            validate(ctx, pair, layer, first_round + round_, total,
                      lambda: pair.logits(inputs, eval_adj, eval_rows), best, rows=eval_rows)
-            if best.stale(start + round_, cfg.patience):
+            if best.stale(first_round + round_, cfg.patience):
                 break
-    replaces = best.round >= start
-    pair.eval()
-    if replaces:
-        best.restore(pair)
-        with torch.no_grad():
-            logits = pair.logits(inputs, adj, torch.arange(ctx.data.num_owned, device=ctx.device))
-    summary = {"rounds": round_ + 1, "best_round": best.round if replaces else None, "best_val": best.accuracy,
-               "start_val": start_val,
-               "model": "joint" if replaces else "greedy", "seconds": round(time.perf_counter() - started, 3)}
-    log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", previous,
-             layer, best.accuracy, best.round, start_val, "kept" if replaces else "the greedy model stays")
-    if not replaces:
-        return JointResult(greedy_logits, last, {}, greedy_round, greedy_val, summary)
-    hidden_state = {HIDDEN_PREFIX + k: v for k, v in pair.hidden.state_dict().items()}
-    return JointResult(logits, pair.last, hidden_state, best.round, best.accuracy, summary)
+    return round_ + 1
 
 
 def hidden_layer(module: LayerWithHead, config: TrainConfig, aggregated: Aggregated) -> HiddenLayer:
