@@ -102,12 +102,13 @@ def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
 
 def fresh_pair(hidden: LayerWithHead, last: LayerWithHead, seed: int, layer: int, classes: int,
                device: torch.device) -> Pair:
-    """Layers ``layer`` - 1 and ``layer`` built again from their initial parameters (the seeds
-    ``new_layer`` draws from for training seed ``seed``) on ``device``, with the same blocks as ``hidden`` and ``last`` (so that the kept one loads where the
-    greedy one would) and, as end-to-end training has one recipe, layer L-1's dropout in both.
-    Layer L's skip connection, chosen for a layer trained on frozen inputs, starts at zero and stays
-    there where layer L-1 has none: on CiteSeer the pair trained from scratch with it fits the few
-    training labels through the nodes' own rows (docs/accuracy.md)."""
+    """Layers ``layer`` - 1 and ``layer`` built again on ``device`` from their initial parameters
+    (the seeds ``new_layer`` draws from for training seed ``seed``), with the blocks of ``hidden``
+    and ``last`` (so that the kept pair loads where the greedy one would) and, as end-to-end
+    training has one recipe, layer L-1's dropout in both. Layer L's skip connection, chosen for a
+    layer trained on frozen inputs, starts at zero and stays there where layer L-1 has none: on
+    CiteSeer the pair trained from scratch with it fits the few training labels through the nodes'
+    own rows (docs/accuracy.md, the pair from scratch)."""
 
     def block_like(block: Block, seed: int) -> Block:
         conv = block.conv
