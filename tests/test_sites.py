@@ -42,7 +42,7 @@ from graphstore.manifests import RunManifest, read_manifest
 from graphstore.parquet_io import features_of, read_table
 from graphstore.runs import read_embeddings
 from netns import link_name, netns_missing, sites
-from processes import cpu_share
+from processes import communicate_all, cpu_share
 from retexo_core.sites import SITE_EPOCH
 from runner.launch import free_port
 from runner.provision import provision
@@ -392,7 +392,7 @@ def test_sites_killed_in_layer_2_resume_at_layer_2(tables: tuple[Path, list[Path
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.2)
         procs[1].kill()  # site 1's command dies during layer 2; its worker follows
-        errors = [p.communicate(timeout=300)[1] for p in procs]
+        errors = [err for _, err in communicate_all(procs, 300)]
         codes = [p.returncode for p in procs]
     finally:
         for p in procs:

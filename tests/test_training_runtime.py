@@ -22,12 +22,12 @@ from graphstore.layout import Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from graphstore.runs import read_embeddings
+from processes import communicate_all
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from runner.launch import free_port
 from runner.lifecycle import LaunchOptions, launch_layers, run_training
 from runner.plan import layer_state, plan_run
-from processes import communicate_all
 from training_helpers import IN_PROCESS, run_and_kill_a_worker
 
 N, F, C = 90, 6, 3
