@@ -27,6 +27,7 @@ from graphstore.ingest.api import ingest_planetoid
 from graphstore.layout import MANIFEST, TMP_PREFIX, Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
+from processes import communicate_all
 from retexo_core.comm.network import NetworkModel
 from runner.plan import plan_run
 from training_helpers import IN_PROCESS, small_config, training_started, worker_processes
@@ -36,6 +37,7 @@ WORKERS = 2
 # once while `make test`'s four workers shared two cores
 START_S = 300
 GONE_S = 10.0  # bound on the clean-up after a launcher dies
+BOTH_TRAINED_S = 600  # bound on two identical trains, the second waiting on the first's locks
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +218,9 @@ def test_two_identical_trains_train_each_layer_once(store: Path) -> None:
         watched = psutil.Process(second.pid)
         second_spawned: list[str] = []
         committed: dict[int, tuple[int, str]] = {}  # layer -> (inode of model.pt, manifest) when first seen
+        deadline = time.monotonic() + BOTH_TRAINED_S
         while second.poll() is None or first.poll() is None:
+            assert time.monotonic() < deadline, "the two trains did not end in time"
             try:
                 second_spawned += [" ".join(c.cmdline()) for c in worker_processes(watched)]
             except psutil.NoSuchProcess:
@@ -226,7 +230,7 @@ def test_two_identical_trains_train_each_layer_once(store: Path) -> None:
                 if layer not in committed and (folder / MANIFEST).is_file():
                     committed[layer] = ((folder / "model.pt").stat().st_ino, (folder / MANIFEST).read_text())
             time.sleep(0.1)
-        outputs = [first.communicate(), second.communicate()]
+        outputs = communicate_all([first, second], timeout=60)
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
