@@ -78,6 +78,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 # variants that --variants may name and the suite does not train unless named
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     "retexo --joint-fresh": {"strategy": "retexo", "joint_fresh": True},
+    "retexo avg/5 int8 --joint-fresh": {"strategy": "retexo", "sync": "avg", "sync_every": 5, "compress": "int8",
+                                        "joint_fresh": True},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)
