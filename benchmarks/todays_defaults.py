@@ -1,5 +1,6 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-and one seed on amazon_computers and coauthor_cs, where GAT has one on amazon_computers), assembled
+and one seed on amazon_computers and coauthor_cs, three with GCN on amazon_computers, where GAT has
+one on amazon_computers), assembled
 from the per-seed runs kept in ``benchmarks/suite_rows``: writes ``todays_defaults.json`` in
 ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
