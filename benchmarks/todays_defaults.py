@@ -1,8 +1,7 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-and one seed on amazon_computers and coauthor_cs, three with GCN on amazon_computers, where GAT has
-one on amazon_computers), assembled
-from the per-seed runs kept in ``benchmarks/suite_rows``: writes ``todays_defaults.json`` in
-``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
+amazon_computers (three seeds with GCN, one with SAGE and GAT) and coauthor_cs (one seed, GCN and
+SAGE)), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
+``todays_defaults.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
 official split) per run; where each variant's runs come from:
