@@ -70,6 +70,7 @@ def test_empty_matrices() -> None:
         a = SparseMatrix.from_coo(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), shape)
         assert a.nnz == 0 and a.density == 0.0 and a.to_dense().shape == shape
         assert torch.equal(spmm(a, torch.ones(shape[1], 2)), torch.zeros(shape[0], 2))
+        assert spmm(a, torch.ones(shape[1], 0)).shape == (shape[0], 0)  # no columns
         assert a.t().shape == (shape[1], shape[0])
 
 

@@ -11,11 +11,12 @@ The rule (``feature_format`` of the ingest options, default ``auto``):
 
 Why 0.1: a sparse row costs 8 bytes per stored entry (int32 column id + float32 value) against
 4 bytes per cell dense, on disk, in worker memory and on the wire, so at density 0.1 sparse takes
-at most a fifth of the dense bytes; and sparse x dense products (CSR SpMM) are slower per stored
-entry than dense GEMM: on this project's 2-core CPU, a 20,000 x 2,000 features @ 2,000 x 256
-weight product ran 0.7x the dense time at density 0.1 but 1.1x at 0.2 and 3.5x at 0.5. At 0.1 or
-below sparse is therefore smaller everywhere and not slower; above, the compute cost grows faster
-than the bytes saved.
+at most a fifth of the dense bytes; and sparse x dense products are slower per stored entry than
+dense GEMM: on this project's 2-core CPU, with torch's CSR kernel, a 20,000 x 2,000 features @
+2,000 x 256 weight product ran 0.7x the dense time at density 0.1 but 1.1x at 0.2 and 3.5x at 0.5
+(the CPU's product is now an ``embedding_bag`` sum, 2.2 times faster than that kernel at density
+0.1, forward, and 4.9 times backward: ``benchmarks/spmm_kernels.py``). At 0.1 or below sparse is therefore smaller everywhere
+and not slower; above, the compute cost grows faster than the bytes saved.
 
 Synthetic graphs have Gaussian features (density 1) and are always dense.
 """
