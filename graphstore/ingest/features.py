@@ -15,8 +15,9 @@ at most a fifth of the dense bytes; and sparse x dense products are slower per s
 dense GEMM: on this project's 2-core CPU, with torch's CSR kernel, a 20,000 x 2,000 features @
 2,000 x 256 weight product ran 0.7x the dense time at density 0.1 but 1.1x at 0.2 and 3.5x at 0.5
 (the CPU's product is now an ``embedding_bag`` sum, 2.2 times faster than that kernel at density
-0.1, forward, and 4.9 times backward: ``benchmarks/spmm_kernels.py``). At 0.1 or below sparse is therefore smaller everywhere
-and not slower; above, the compute cost grows faster than the bytes saved.
+0.1, forward, and 4.9 times backward: ``benchmarks/spmm_kernels.py``). At 0.1 or below sparse is
+therefore smaller everywhere and not slower; above, the compute cost grows faster than the bytes
+saved.
 
 Synthetic graphs have Gaussian features (density 1) and are always dense.
 """
