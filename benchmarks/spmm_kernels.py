@@ -34,10 +34,8 @@ import common  # puts the repository on the path
 from graphstore.layout import Store  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
+from accuracy import train_once  # noqa: E402
 from retexo_core import sparse  # noqa: E402
-from retexo_core.config import TrainConfig  # noqa: E402
-from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
-from runner.request import RunRequest, prepare_run  # noqa: E402
 
 SHAPES = [  # name, rows, columns, entries per row, columns of X
     ("features, Cora-like", 2708, 1433, 18, 256),
@@ -111,11 +109,9 @@ def cora_run(folder: Path) -> tuple[float, float, float]:
     store = Store.open(folder)
     dataset = common.cora(store)
     partition = build_partition(store, dataset, PartitionOptions(method="random", parts=4, seed=0))
-    config = TrainConfig(strategy="retexo", model="gcn", recipe="default", seed=0, timeout_s=1800)
     started = time.perf_counter()
-    plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")
-    summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
-    return time.perf_counter() - started, summary.score("val"), summary.score("test")
+    run = train_once(store, dataset, partition, {"strategy": "retexo", "recipe": "default"}, "gcn", 0)
+    return time.perf_counter() - started, run["val"], run["test"]
 
 
 def run_rows() -> list[str]:
