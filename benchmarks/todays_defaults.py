@@ -1,5 +1,5 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-amazon_computers (three seeds with GCN, one with SAGE and GAT) and coauthor_cs (one seed, GCN and
+amazon_computers (three seeds with GCN and SAGE, one with GAT) and coauthor_cs (one seed, GCN and
 SAGE)), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``todays_defaults.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
