@@ -381,7 +381,7 @@ def main() -> None:
                         + f" (default: all but {', '.join(EXTRA_VARIANTS)})")
     parser.add_argument("--seeds", type=int, help="seeds of every graph (default: 3; with --suite, each graph's "
                         "own: 10 on cora, citeseer, chameleon_filtered and wisconsin, 3 on actor and minesweeper, 1 "
-                        "for the two largest)")
+                        "for the two largest, which train at most one seed per command: add seeds with --first-seed)")
     parser.add_argument("--first-seed", type=int, default=0, help="train seeds FIRST_SEED.. (split FIRST_SEED.. "
                         "of graphs with official splits), e.g. to add seeds to an earlier --out file")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
