@@ -1,6 +1,6 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-amazon_computers (three seeds with GCN and SAGE, one with GAT) and coauthor_cs (one seed, GCN and
-SAGE)), assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
+amazon_computers (three seeds with GCN and SAGE, one with GAT) and coauthor_cs (one seed)),
+assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``todays_defaults.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
 Each run is ``accuracy.train_once`` with a variant's options (or the PyG reference), one seed (or
@@ -12,8 +12,8 @@ official split) per run; where each variant's runs come from:
   and the three-layer runs of ``depth_choice.json`` / ``defaults_runs.json`` (Cora, CiteSeer);
   the runs with the defaults of ``defaults_runs.json`` (the others);
 - ``retexo``: GCN and GAT, ``last_layer_start.json`` (the last layer from the head); SAGE, the
-  depth choice's runs of ``depth_choice.json``; GAT on actor, minesweeper and amazon_computers and
-  GCN and SAGE on coauthor_cs, ``defaults_runs.json``;
+  depth choice's runs of ``depth_choice.json``; GAT on actor, minesweeper, amazon_computers and
+  coauthor_cs and GCN and SAGE on coauthor_cs, ``defaults_runs.json``;
 - ``retexo avg/5 int8``: ``defaults_runs.json``;
 - both ``retexo`` variants with GCN and SAGE, since the last two layers train together by default:
   ``joint_runs.json`` (all of a (graph, model, variant)'s seeds from it where it has any;
