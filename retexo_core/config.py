@@ -30,6 +30,7 @@ Scope = Literal["layer", "per_layer", "last", "run", "none"]
 LINK_STRATEGIES = ("retexo", "centralized", "standard", "tma")  # the strategies that train --task link
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
+SCARCE_LABELS = 0.1  # joint_fresh is on by default where fewer than this share of the nodes train (docs/accuracy.md)
 
 
 def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
@@ -121,13 +122,15 @@ class TrainConfig(BaseModel):
         "from one more halo exchange (layer L-1's aggregated inputs of the halo nodes) and the usual gradient sync "
         "or averaging; the pair replaces the greedy model only where it scores higher on validation. 0: off. See "
         "docs/training.md, the last two layers together.", scope="last", strategies=LAYERWISE, ge=0)
-    joint_fresh: bool = option(
-        False, "With the last two layers trained together (joint_rounds): then also train the pair from the layers' "
+    joint_fresh: bool | None = option(
+        None, "With the last two layers trained together (joint_rounds): then also train the pair from the layers' "
         "initial parameters for as many rounds, both with layer L-1's dropout, learning rate and weight decay (and "
         "layer L's skip connection held at zero where layer L-1 has none): end-to-end training of the last two "
         "layers on layer L-1's greedy inputs. Keeps whichever of the greedy model, the pair trained on from it and "
         "the fresh pair scores highest on validation. Doubles the pair's rounds and gradient sync; no more halo "
-        "traffic. See docs/training.md, the last two layers together.", scope="last", strategies=LAYERWISE)
+        f"traffic. Default: on where fewer than {SCARCE_LABELS:.0%} of the nodes are in the train split (scarce "
+        "labels), off otherwise and at sites. See docs/training.md, the last two layers together.",
+        scope="last", strategies=LAYERWISE)
     batch_size: int | None = option(None, "Layer-wise training: train nodes per step (a round is one pass over "
                                     "a rank's train nodes; exact, no sampling); none = full batch.", scope="layer",
                                     strategies=LAYERWISE, ge=1)

@@ -18,7 +18,7 @@ from graphstore.fingerprint import file_digest, fingerprint, tree_digest
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef, PartitionRef, completed_run, find_dataset, find_layer, layer_fp_of
 from retexo_core.comm.network import NetworkModel
-from retexo_core.config import TrainConfig
+from retexo_core.config import SCARCE_LABELS, TrainConfig
 from retexo_core.strategies.registry import AT_SITES, STRATEGIES, spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,10 +95,20 @@ def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -
     return config.model_copy(update=update)
 
 
+def resolve_joint_fresh(dataset: DatasetRef, config: TrainConfig) -> TrainConfig:
+    """``config`` with ``joint_fresh`` decided where it is unset: on where the last two layers train
+    together and fewer than ``SCARCE_LABELS`` of the dataset's nodes are in its train split (its
+    manifest's count), off otherwise. Fingerprinted as the explicit flag."""
+    if config.joint_fresh is not None:
+        return config
+    scarce = dataset.manifest.splits.get("train", 0) < SCARCE_LABELS * dataset.num_nodes
+    return config.model_copy(update={"joint_fresh": config.trains_jointly and scarce})
+
+
 def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig,
              network: NetworkModel) -> RunPlan:
     """Fingerprints of the run and of each layer; centralized runs read the whole dataset."""
-    config = resolve_warm_start(store, dataset, config)
+    config = resolve_joint_fresh(dataset, resolve_warm_start(store, dataset, config))
     whole = config.strategy_spec.whole_graph
     if not whole and partition is None:
         raise RetexoError(f"strategy {config.strategy} needs a partition")
@@ -131,7 +141,8 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
                           f"tolerated failures); {config.strategy} needs a central partition")
     if config.choose_depth:
         raise RetexoError("sites train one depth: choose it on a central copy, or train both depths with --layers")
-    config = config.model_copy(update={"choose_depth": False})  # the default: one depth
+    # the defaults at sites: one depth, and no fresh pair (a site's split is not the graph's)
+    config = config.model_copy(update={"choose_depth": False, "joint_fresh": bool(config.joint_fresh)})
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
     plan = plan_run(store, dataset, partition, config, network)

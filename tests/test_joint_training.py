@@ -21,7 +21,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from retexo_core.comm.network import NetworkModel
+from retexo_core.config import TrainConfig
 from retexo_core.strategies.joint import HIDDEN_PREFIX
+from runner.plan import plan_run, plan_site_run
 from training_helpers import comm_log, small_config, train
 
 HIDDEN = 8
@@ -117,6 +120,35 @@ def test_a_warm_start_with_no_rounds_evaluates_the_kept_pair(runs, cora) -> None
     for part in range(PARTS):
         logits = [read_embeddings(p.store.embeddings_path(p.run_fp, 3, part))[1]["full"] for p in (warm, source)]
         np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
+
+
+def test_the_fresh_pair_is_on_by_default_where_labels_are_scarce(cora, tiny) -> None:
+    """Unset, ``joint_fresh`` is decided when the run is planned: on where the pair trains and fewer
+    than 10 % of the nodes are in the train split (Cora's public split: 140 of 2,708), off where
+    the pair does not train (GAT, ``joint_rounds`` 0, end to end), where half the nodes train
+    (``tiny``), and at sites; the run is fingerprinted as with the flag given explicitly."""
+
+    def planned(graph, partition, **options):
+        return plan_run(graph[0], graph[1], partition, TrainConfig(**options), NetworkModel())
+
+    graph = (cora.store, cora.dataset)
+    random = cora.partitions["random"]
+    for model in ("gcn", "sage"):
+        default = planned(graph, random, model=model)
+        assert default.config.joint_fresh is True and default.deeper.config.joint_fresh is True
+        assert default.run_fp == planned(graph, random, model=model, joint_fresh=True).run_fp
+        assert default.run_fp != planned(graph, random, model=model, joint_fresh=False).run_fp
+    for options in ({"model": "gat"}, {"joint_rounds": 0}, {"joint_fresh": False}):
+        assert planned(graph, random, **options).config.joint_fresh is False
+    assert planned(graph, None, strategy="centralized").config.joint_fresh is False
+    site = plan_site_run(cora.store, cora.dataset, random, TrainConfig(), NetworkModel(), site=0, sites=4)
+    assert site.config.joint_fresh is False
+
+    store, dataset, partition = tiny
+    assert dataset.manifest.splits["train"] >= 0.1 * dataset.num_nodes
+    default = planned((store, dataset), partition)
+    assert default.config.joint_fresh is False
+    assert default.run_fp == planned((store, dataset), partition, joint_fresh=False).run_fp
 
 
 def test_a_fresh_pair_trains_after_the_pair_with_its_sync_and_no_more_halo_traffic(cora) -> None:

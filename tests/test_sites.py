@@ -168,8 +168,10 @@ def test_three_sites_with_their_own_stores_train_what_a_central_column_partition
     central_tables, site_tables = tables
     central = tmp_path / "central"
     ingest(central, central_tables, "cora-central", remote=False)
+    # as the sites train by default: one depth, and no fresh pair (Cora's split would turn it on centrally)
     trained = run_cli("train", "cora-central", "--parts", SITES, "--partition-method", "column",
-                      "--partition-column", "site", *TRAIN, "--no-choose-depth", store=central, timeout=TIMEOUT_S)
+                      "--partition-column", "site", *TRAIN, "--no-choose-depth",
+                      "--no-joint-fresh", store=central, timeout=TIMEOUT_S)
     assert trained.returncode == 0, trained.stderr
     stores = [tmp_path / f"store{s}" for s in range(SITES)]
     for s in range(SITES):

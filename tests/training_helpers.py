@@ -43,7 +43,7 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, DatasetR
 
 def small_config(**overrides: object) -> TrainConfig:
     base = dict(hidden=HIDDEN, rounds=3, epochs=3, lr=0.05, dropout=0.0, timeout_s=60, eval_every=1, recipe="default",
-                joint_rounds=0)
+                joint_rounds=0, joint_fresh=False)
     return TrainConfig(**{**base, **overrides})
 
 

@@ -403,7 +403,8 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     screen = base.screen_rounds if search.size > 1 else base.layer_rounds(layer)
     total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
     if layer == base.layers and base.trains_jointly:
-        total += base.last_two_rounds  # the last two layers' rounds together follow (stages.with_last_two_together)
+        # the last two layers' rounds together follow (stages.with_last_two_together), twice with the fresh pair
+        total += base.last_two_rounds * (2 if base.joint_fresh else 1)
     spent = 0
     kept: LayerFit | None = None
     fits = []
