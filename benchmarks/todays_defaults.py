@@ -18,7 +18,10 @@ official split) per run; where each variant's runs come from:
 - both ``retexo`` variants with GCN and SAGE, since the last two layers train together by default:
   ``joint_runs.json`` (all of a (graph, model, variant)'s seeds from it where it has any;
   ``joint_validated_every_5.json``, not read, holds the gradient-sync runs it replaced, from before
-  the pair validated every round).
+  the pair validated every round);
+- both ``retexo`` variants with GCN and SAGE on Cora and CiteSeer, since the pair is also trained
+  from scratch by default where fewer than 10 % of the nodes train: ``joint_fresh.json``'s
+  ``--joint-fresh`` runs, where they cover every seed.
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
@@ -44,6 +47,7 @@ METRICS = {"minesweeper": "ROC-AUC"}  # two classes; the others: accuracy
 VARIANTS = ("reference", "centralized", "retexo", "retexo avg/5 int8")
 THREE_LAYERS = "centralized --layers 3 --no-choose-depth"
 MARK = "<!-- todays defaults: {} -->"
+SCARCE_LABELS = ("cora", "citeseer")  # fewer than 10 % of their nodes are in the train split
 
 Run = tuple[float, float, float | None]  # validation, test, MB sent (None: not kept)
 Key = tuple[str, str, str, int]  # variant, graph, model, seed
@@ -91,7 +95,23 @@ def collect_runs() -> dict[Key, Run]:
     runs = {key: run for key, run in runs.items() if key[:3] not in retrained}
     for row in joint:
         runs[(row["variant"], row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
-    return runs
+    return with_fresh_pair(runs)
+
+
+def with_fresh_pair(runs: dict[Key, Run]) -> dict[Key, Run]:
+    """``runs`` with both ``retexo`` variants on Cora and CiteSeer, where fewer than 10 % of the nodes
+    train and the fresh pair is on by default (``retexo_core.config.SCARCE_LABELS``), taken from
+    ``joint_fresh.json``'s ``--joint-fresh`` runs of the same variant: of every (graph, model,
+    variant) whose runs there cover every seed that it has here (the others keep their rows)."""
+    fresh: dict[Key, Run] = {}
+    for row in load("joint_fresh.json"):
+        if row["graph"] in SCARCE_LABELS:
+            variant = row["variant"].removesuffix(" --joint-fresh")
+            fresh[(variant, row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
+    covered = {group for group in {key[:3] for key in fresh}
+               if all(key in fresh for key in runs if key[:3] == group)}
+    return {**{key: run for key, run in runs.items() if key[:3] not in covered},
+            **{key: run for key, run in fresh.items() if key[:3] in covered}}
 
 
 def paired_rows(runs: dict[Key, Run]) -> list[dict[str, Any]]:
