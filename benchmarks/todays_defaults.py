@@ -93,16 +93,12 @@ def collect_runs() -> dict[Key, Run]:
     for row in load("last_layer_start.json"):
         if row["variant"] == "retexo, last layer from the head":
             runs[("retexo", row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row.get("mb"))
-    joint = load("joint_runs.json")
-    retrained = {(row["variant"], row["graph"], row["model"]) for row in joint}
-    runs = {key: run for key, run in runs.items() if key[:3] not in retrained}
-    for row in joint:
-        runs[(row["variant"], row["graph"], row["model"], row["seed"])] = (row["val"], row["test"], row["mb"])
-    return with_rerun(with_fresh_pair(runs), "wisconsin_rerun.json")
+    return with_rerun(with_fresh_pair(with_rerun(runs, "joint_runs.json")), "wisconsin_rerun.json")
 
 
 def with_rerun(runs: dict[Key, Run], name: str) -> dict[Key, Run]:
-    """``runs`` with every (graph, model, variant) that ``name``'s per-seed rows hold replaced by them."""
+    """``runs`` with every (variant, graph, model) that ``name``'s per-seed rows hold replaced by
+    those rows (all of its seeds: a group's older seeds that ``name`` lacks are dropped)."""
     rerun = {(row["variant"], row["graph"], row["model"], row["seed"]): (row["val"], row["test"], row["mb"])
              for row in load(name)}
     groups = {key[:3] for key in rerun}
