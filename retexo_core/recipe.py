@@ -14,7 +14,8 @@ knob               values tried (the start value first)  config fields it sets
 ``lr``             0.01 / 0.005                          ``lr``
 =================  ====================================  ===============================
 
-The search is greedy, one knob after the other in that order (coordinate ascent): the start
+The search is greedy, one knob after the other in that order (coordinate ascent; layer-wise
+training tries ``skip`` first, before ``features``): the start
 recipe is the configured one; each alternative value of a knob trains from the same initial
 parameters with every other knob at its best value so far, and replaces it when it classifies
 more validation nodes right, by more than ``--recipe-margin`` standard errors of that paired
@@ -104,6 +105,12 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
                   and not (n == "skip" and (config.model == "sage" or structural or (link_layerwise and layer == 1)))
                   and not (n == "attention" and config.model != "gat")]
+    if not end_to_end and "skip" in names:
+        # Layer-wise, ``skip`` goes first: without it layer 1 (one conv and a head) classifies a node
+        # from its neighbours alone, and on heterophilous graphs that model picks input features that
+        # the block with its skip connection would not (docs/accuracy.md, "The order of the
+        # layer-wise search's knobs").
+        names.insert(0, names.pop(names.index("skip")))
     return names
 
 
