@@ -148,8 +148,8 @@ def test_the_search_tries_every_knob_in_turn_and_keeps_one_better_by_the_margin(
     recipe = layer_manifest(first, 1)["recipe"]
     tried = recipe["val_scores"]
     scores = ("val", "gained", "lost")
-    # start (small_config: dropout 0, lr 0.05), then features, skip, norm, dropout x2, lr x2 (layer 1 keeps its decay)
-    assert [sorted(k for k in t if k not in scores and t[k] != tried[0][k]) for t in tried][:2] == [[], ["features"]]
+    # start (small_config: dropout 0, lr 0.05), then skip, features, norm, dropout x2, lr x2 (layer 1 keeps its decay)
+    assert [sorted(k for k in t if k not in scores and t[k] != tried[0][k]) for t in tried][:2] == [[], ["skip"]]
     assert len(tried) == 8
     best = tried[0]
     for t in tried[1:]:  # each against the one kept when it trained
