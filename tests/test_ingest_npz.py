@@ -216,6 +216,20 @@ def test_feature_storage_follows_the_density_rule(tmp_path: Path, maker: Callabl
     assert np.array_equal(dataset_features(ref), source)
 
 
+def test_draw_split_ignores_the_masks_and_draws_the_split_of_a_file_without_them(tmp_path: Path):
+    arrays = heterophilous()
+    masks = ("train_masks", "val_masks", "test_masks")
+    drawn = ingest(tmp_path / "store", write_npz(tmp_path / "g.npz", arrays), "drawn", "--draw-split",
+                   "--train-frac", "0.5", "--split-seed", "3")
+    bare = ingest(tmp_path / "store", write_npz(tmp_path / "bare.npz", {k: v for k, v in arrays.items() if k not in masks}),
+                  "bare", "--train-frac", "0.5", "--split-seed", "3")
+    split = stored(drawn)[0]["split"]
+    assert np.array_equal(split, stored(bare)[0]["split"])
+    assert (split != "none").all() and abs((split == "train").sum() - len(split) / 2) <= 3  # the masks leave 10 % out
+    assert drawn.manifest.source["options"] == {"undirected": True, "feature_format": "auto",
+                                                "split": {"train": 0.5, "val": 0.2, "seed": 3}}
+
+
 def test_reingest_is_unchanged_and_only_options_that_apply_enter_the_fingerprint(tmp_path: Path):
     file = write_npz(tmp_path / "g.npz", heterophilous())
     store = tmp_path / "store"
@@ -332,6 +346,8 @@ REFUSALS: dict[str, tuple[Callable[[Path], tuple[Path, list[str]]], tuple[str, .
                                       ("key 'train_masks'", "--split-index 3 is out of range", "3 split(s)", "0..2")),
     "split index without splits": (_with_args(_edit(gnn_benchmark), "--split-index", "0"),
                                    ("no split masks", "--train-frac")),
+    "split index with a drawn split": (_with_args(_edit(heterophilous), "--draw-split", "--split-index", "0"),
+                                       ("--split-index cannot be combined with --draw-split",)),
     "missing edges": (_edit(heterophilous, edges=None), ("missing key 'edges'", "node_features")),
     "missing one mask": (_edit(heterophilous, val_masks=None), ("missing key 'val_masks'",)),
     "missing adjacency part": (_edit(gnn_benchmark, adj_indptr=None), ("missing key 'adj_indptr'",)),

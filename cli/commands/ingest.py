@@ -63,6 +63,9 @@ def ingest_npz_cmd(
     name: Annotated[str, typer.Option(help="Dataset name in the store.")],
     split_index: Annotated[Optional[int], typer.Option(min=0, help="Which of the file's official splits (row of "
                                                                     "train_masks / val_masks / test_masks); default 0.")] = None,
+    draw_split: Annotated[bool, typer.Option(help="Ignore the file's split masks and draw a stratified split "
+                                                  "(--train-frac / --val-frac / --split-seed), as for a file "
+                                                  "without masks.")] = False,
     undirected: Annotated[bool, typer.Option("--undirected/--directed", help="Store every edge in both directions "
                                              "(default: both layouts hold undirected graphs); --directed keeps the "
                                              "edges as the file lists them.")] = True,
@@ -77,10 +80,11 @@ def ingest_npz_cmd(
     Keys node_features, node_labels, edges and optional train_masks / val_masks / test_masks (heterophilous-graphs),
     or CSR adj_*, attr_* (or attr_matrix) and labels (gnn-benchmark). Node ids are the rows 0..N-1; edges are stored
     in both directions unless --directed; feature values are kept as the file gives them. A file without split
-    masks gets a stratified split."""
+    masks, or any file with --draw-split, gets a stratified split."""
     st = open_store(store)
     fractions = collect(SPLIT_OPTIONS, options)
-    show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force))  # type: ignore[arg-type]
+    show_dataset(ingest_npz(st, file, name, split_index, undirected, fractions, feature_format, force,
+                            draw_split))  # type: ignore[arg-type]
     refresh_catalog(st)
 
 

@@ -94,12 +94,13 @@ def ingest_npz(
     fractions: SplitFractions | None = None,
     feature_format: RequestedFormat = "auto",
     force: bool = False,
+    draw_split: bool = False,
 ) -> DatasetRef:
     """An ``.npz`` graph (heterophilous-graphs or gnn-benchmark layout, ``graphstore.ingest.npz_source``),
     or a ``.zip`` holding one.
 
-    ``split_index`` picks one of the file's official splits (default 0); a file without splits
-    gets a stratified split drawn with ``fractions``. Only the options that apply enter the
+    ``split_index`` picks one of the file's official splits (default 0); a file without splits,
+    or any file with ``draw_split``, gets a stratified split drawn with ``fractions``. Only the options that apply enter the
     fingerprint (the split index, resolved, or the fractions). Both layouts hold undirected
     graphs, so ``undirected`` (every edge stored both ways) is the default. Refused before any
     array is decoded when the memory estimated from the arrays' headers exceeds what is
@@ -107,8 +108,11 @@ def ingest_npz(
     """
     name = check_name(name)
     fractions = fractions or SplitFractions()
+    if draw_split and split_index is not None:
+        raise InputError(str(path), "--split-index cannot be combined with --draw-split (which ignores the file's "
+                                    "split masks)")
     with npz_source.NpzArrays(path) as arrays:
-        index = npz_source.resolve_split_index(arrays, split_index)
+        index = None if draw_split else npz_source.resolve_split_index(arrays, split_index)
         options: dict[str, Any] = {"undirected": undirected, "feature_format": feature_format,
                                    **({"split": fractions.model_dump()} if index is None else {"split_index": index})}
 
