@@ -81,3 +81,14 @@ def test_the_readme_and_the_docs_show_the_tables_of_todays_defaults():
     docs = REPO / "docs" / "accuracy.md"
     for name, table in (("scores", score_table), ("bytes", bytes_table), ("checks", checks_table)):
         assert block(docs, name, TODAY) == table(rows)
+
+
+def test_the_docs_show_the_tables_of_the_holdout_protocol():
+    """docs/accuracy.md's tables of ``benchmarks/holdout_split.py`` (a 60/20/20 split drawn at
+    ingest) are those of its committed rows, every variant of a pair with the same seeds."""
+    rows = json.loads((ROWS / "holdout_split.json").read_text())
+    assert all(len(r["val"]) == len(r["test"]) == r["seeds"] == 3 for r in rows) and len(rows) == 9 * len(VARIANTS)
+    docs = REPO / "docs" / "accuracy.md"
+    mark = "<!-- holdout split: {} -->"
+    assert block(docs, "scores", mark) == score_table(rows)
+    assert block(docs, "checks", mark) == checks_table(rows)
