@@ -100,11 +100,11 @@ def ingest_npz(
     or a ``.zip`` holding one.
 
     ``split_index`` picks one of the file's official splits (default 0); a file without splits,
-    or any file with ``draw_split``, gets a stratified split drawn with ``fractions``. Only the options that apply enter the
-    fingerprint (the split index, resolved, or the fractions). Both layouts hold undirected
-    graphs, so ``undirected`` (every edge stored both ways) is the default. Refused before any
-    array is decoded when the memory estimated from the arrays' headers exceeds what is
-    available, unless ``force``.
+    or any file with ``draw_split``, gets a stratified split drawn with ``fractions``. Only the
+    options that apply enter the fingerprint (the split index, resolved, or the fractions). Both
+    layouts hold undirected graphs, so ``undirected`` (every edge stored both ways) is the
+    default. Refused before any array is decoded when the memory estimated from the arrays'
+    headers exceeds what is available, unless ``force``.
     """
     name = check_name(name)
     fractions = fractions or SplitFractions()
