@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from accuracy import ALL_VARIANTS, MODELS, PARTS, REPO, SUITE, merged, print_tables, reference_once, train_once
+from accuracy import (ALL_VARIANTS, MODELS, PARTS, REPO, SUITE, in_suite_order, merged, print_tables, reference_once,
+                      train_once)
 from graphstore.ingest import planetoid
 from graphstore.ingest.api import ingest_npz
 from graphstore.ingest.splits import SplitFractions
@@ -86,8 +87,7 @@ def as_rows(runs: list[dict[str, Any]], metric: dict[str, str]) -> list[dict[str
     rows = [{"graph": r["graph"], "model": r["model"], "variant": r["variant"], "seeds": 1,
              "metric": metric[r["graph"]], "device": "cpu", "val": [r["val"]], "test": [r["test"]], "mb": r["mb"],
              "seconds": r["seconds"]} for r in sorted(runs, key=lambda r: r["seed"])]
-    order = {(g, m, v): i for i, (g, m, v) in enumerate((g, m, v) for m in MODELS for g in metric for v in ALL_VARIANTS)}
-    return sorted(merged(rows), key=lambda r: order[(r["graph"], r["model"], r["variant"])])
+    return in_suite_order(merged(rows))
 
 
 def main() -> None:
