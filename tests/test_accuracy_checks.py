@@ -92,3 +92,14 @@ def test_the_docs_show_the_tables_of_the_holdout_protocol():
     mark = "<!-- holdout split: {} -->"
     assert block(docs, "scores", mark) == score_table(rows)
     assert block(docs, "checks", mark) == checks_table(rows)
+
+
+def test_the_docs_show_the_tables_of_the_depth_margin():
+    """docs/accuracy.md's tables of ``benchmarks/depth_margin.py`` are those of its committed runs."""
+    from depth_margin import read_runs, summary, table
+
+    docs = REPO / "docs" / "accuracy.md"
+    margins = [0.0, 0.5, 1.0, float("inf")]
+    for name in ("suite", "holdout"):
+        runs = read_runs(ROWS / f"depth_margin_{name}.jsonl")
+        assert block(docs, name, "<!-- depth margin: {} -->") == table(runs, margins) + [""] + summary(runs, margins)
