@@ -56,12 +56,14 @@ from graphstore.ingest.api import ingest_npz, ingest_planetoid  # noqa: E402
 from graphstore.ingest.splits import SplitFractions  # noqa: E402
 from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef  # noqa: E402
+from graphstore.manifests import RunManifest  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from pyg_reference import load_plain, pyg_reference  # noqa: E402
 from retexo_core.config import TrainConfig  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
 from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
+from runner.plan import RunPlan  # noqa: E402
 from runner.request import RunRequest, prepare_run  # noqa: E402
 
 MODELS = ("gcn", "sage", "gat")
@@ -128,12 +130,20 @@ def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> Da
     return ingest_npz(store, path, graph.name, fractions=SplitFractions(train=0.6, val=0.2, seed=0))
 
 
-def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
-               seed: int, device: str = "cpu") -> dict[str, float]:
-    """One ``retexo train`` run with its defaults and ``options`` (or its figures from the store)."""
+def train_plan(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
+               seed: int, device: str = "cpu") -> tuple[RunPlan, RunManifest | None]:
+    """One ``retexo train`` run with its defaults and ``options`` (or from the store): its plan and
+    the run it kept."""
     config = TrainConfig(**options, model=model, seed=seed, device=device, timeout_s=3600)
     plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
     summary, _ = run_training(plan, LaunchOptions(launcher="threads"))
+    return plan, summary
+
+
+def train_once(store: Store, dataset: DatasetRef, partition: object, options: dict[str, Any], model: str,
+               seed: int, device: str = "cpu") -> dict[str, float]:
+    """``train_plan``'s figures: validation and test score, and MB sent (both depths' bytes)."""
+    plan, summary = train_plan(store, dataset, partition, options, model, seed, device)
     total = summary.total_bytes if plan.deeper is None else depth_choice(plan).total_bytes  # both depths' bytes
     return {"val": summary.score("val"), "test": summary.score("test"), "mb": total / 1e6}
 

@@ -13,9 +13,10 @@ margin's choice: each is computed from the same two runs' half-A predictions and
 For each graph, model and variant (default ``centralized`` and ``centralized --layerwise``), the
 suite's seeds (``benchmarks/accuracy.py``; ``--seeds`` for fewer), 4 random parts (seed 0), ranks as
 threads; with ``--holdout``, the graphs' stratified 60/20/20 split of ``holdout_split.py`` (the
-protocol of the graphs we are checked on) and training seeds 0..N-1 on it. It prints each margin's half-A and half-B means, how often the deeper model is kept, and
-the paired gap of half B against margin 0 ± its standard error over the seeds. Accuracy graphs
-only: a ROC-AUC (two-class) graph has no node-by-node count.
+protocol of the graphs we are checked on) and training seeds 0..N-1 on it. It prints each
+margin's half-A and half-B means, how often the deeper model is kept, and the paired gap of half B
+against margin 0 ± its standard error over the seeds. Accuracy graphs only: a ROC-AUC (two-class)
+graph has no node-by-node count.
 
     .venv/bin/python benchmarks/depth_margin.py [--graphs cora,citeseer] [--models gcn,sage,gat]
         [--variants centralized,"centralized --layerwise"] [--margins 0,0.5,1] [--seeds N] [--holdout]
@@ -52,10 +53,7 @@ from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from graphstore.parquet_io import read_table  # noqa: E402
 from graphstore.runs import PREDICTIONS  # noqa: E402
-from retexo_core.config import TrainConfig  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
-from runner.lifecycle import LaunchOptions, run_training  # noqa: E402
-from runner.request import RunRequest, prepare_run  # noqa: E402
 
 
 def correct_by_split(store: Store, run: RunManifest) -> dict[str, str]:
@@ -79,9 +77,7 @@ def one_run(store_path: Path, graph: str, dataset: DatasetRef, partition: object
             seed: int) -> dict[str, Any]:
     """One run that chooses its depth, under nested validation: both depths' per-node results."""
     store = Store.open(store_path)
-    config = TrainConfig(**accuracy.VARIANTS[variant], model=model, seed=seed, timeout_s=3600)
-    plan = prepare_run(RunRequest.over(store, dataset, partition, config), partitions="stored")  # type: ignore[arg-type]
-    run_training(plan, LaunchOptions(launcher="threads"))
+    plan, _ = accuracy.train_plan(store, dataset, partition, accuracy.VARIANTS[variant], model, seed)
     choice = depth_choice(plan)
     return {"graph": graph, "model": model, "variant": variant, "seed": seed,
             "layers": len(choice.shallower.layers),

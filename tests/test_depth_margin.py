@@ -24,9 +24,9 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
         plan = plan_run(store, dataset, partition, small_config(choose_depth=True, seed=seed), NetworkModel())
         run_training(plan, IN_PROCESS)
         choice = depth_choice(plan)
-        run = {name: correct_by_split(store, manifest)
-               for name, manifest in (("shallower", choice.shallower), ("deeper", choice.deeper))}
-        for name, manifest in (("shallower", choice.shallower), ("deeper", choice.deeper)):
+        depths = {"shallower": choice.shallower, "deeper": choice.deeper}
+        run = {name: correct_by_split(store, manifest) for name, manifest in depths.items()}
+        for name, manifest in depths.items():
             assert share_right(run[name]["val"]) == manifest.accuracy("val")
             assert share_right(run[name]["test"]) == manifest.accuracy("test")
         assert (choice.kept is choice.deeper) == keeps_deeper(run, 0.0)
