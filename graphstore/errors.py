@@ -6,7 +6,21 @@ from pydantic import ValidationError
 
 
 class RetexoError(Exception):
-    """Base class for errors the CLI reports without a traceback (exit code 2)."""
+    """Base class for errors the CLI reports without a traceback (exit code 2).
+
+    Pickled as their message and attributes, so that one raised in a worker process (a process
+    pool's job) reaches its parent whole, whatever its subclass's constructor takes."""
+
+    def __reduce__(self) -> tuple[object, tuple[type, str, dict[str, object]]]:
+        return (_restored, (type(self), str(self), self.__dict__))
+
+
+def _restored(cls: type[RetexoError], message: str, state: dict[str, object]) -> RetexoError:
+    """The error ``cls`` with ``message`` and attributes ``state``, without calling its constructor."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
 
 
 class InputError(RetexoError):

@@ -1,7 +1,8 @@
 """Errors a user meets at the CLI boundary are one line and exit code 2, and leave the store as it
 was: a full disk (a store on a 12 MB tmpfs), other OS errors, a seed torch would refuse; and
 ``retexo sql`` streams a result of any length in bounded memory (CSV and JSON; a table shows the
-first rows), or stops it at its time limit with one line.
+first rows), or stops it at its time limit with one line. An error raised in a worker process
+reaches its parent whole.
 """
 
 from __future__ import annotations
@@ -147,3 +148,38 @@ def test_a_huge_sql_result_streams_as_csv_in_bounded_memory_until_its_time_limit
         assert rows.readline() == "range\n"
         written = sum(1 for _ in rows)
     assert written > 100_000  # streamed while the query ran
+
+
+# --------------------------------------------------------------------------- errors across processes
+
+
+def raise_error(kind: str) -> None:
+    """Raise one of the project's errors whose constructor takes more than a message."""
+    from graphstore.errors import InputError
+    from runner.launch import WorkerFailed
+
+    if kind == "input":
+        raise InputError("nodes.csv", "expected an integer", column="label", row=7)
+    raise WorkerFailed(3, "worker rank 3 failed: ValueError: bad shape")
+
+
+@pytest.mark.parametrize("kind", ["input", "worker"])
+def test_an_error_raised_in_a_process_pool_reaches_the_parent_whole(kind: str):
+    """A process pool pickles a job's error; a subclass whose constructor takes more than the message
+    (``InputError``, ``WorkerFailed``) used to break the pool instead of arriving."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from graphstore.errors import InputError
+    from runner.launch import WorkerFailed
+
+    with ProcessPoolExecutor(1) as pool:
+        with pytest.raises((InputError, WorkerFailed)) as caught:
+            pool.submit(raise_error, kind).result()
+    error = caught.value
+    if kind == "input":
+        assert type(error) is InputError
+        assert str(error) == "nodes.csv, column 'label', row 7: expected an integer"
+        assert (error.file, error.column, error.row) == ("nodes.csv", "label", 7)
+    else:
+        assert type(error) is WorkerFailed
+        assert (error.rank, str(error)) == (3, "worker rank 3 failed: ValueError: bad shape")
