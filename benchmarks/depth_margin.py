@@ -21,7 +21,8 @@ graph has no node-by-node count.
     .venv/bin/python benchmarks/depth_margin.py [--graphs cora,citeseer] [--models gcn,sage,gat]
         [--variants centralized,"centralized --layerwise"] [--margins 0,0.5,1] [--seeds N] [--holdout]
         [--jobs N] [--store DIR] [--out FILE]
-    .venv/bin/python benchmarks/depth_margin.py --tables FILE [--margins 0,0.5,1]   # runs of --out
+    .venv/bin/python benchmarks/depth_margin.py --tables FILE... [--margins 0,0.5,1]   # runs of --out
+    .venv/bin/python benchmarks/depth_margin.py --tables FILE... --against FILE... [--margins 0]  # two arms, paired
 """
 
 from __future__ import annotations
@@ -192,6 +193,32 @@ def summary(runs: list[dict[str, Any]], margins: list[float]) -> list[str]:
     return lines
 
 
+def paired_table(runs: list[dict[str, Any]], against: list[dict[str, Any]], margin: float) -> list[str]:
+    """One row per (graph, model, variant) of ``runs`` with the same seeds in ``against`` (another
+    arm, e.g. a patched search): both arms' half-A / half-B means at ``margin``, the paired gaps of
+    ``runs`` against ``against`` in points ± their standard error, and the runs whose predictions
+    differ; last, the gaps averaged over the rows."""
+    other = {(r["graph"], r["model"], r["variant"], r["seed"]): r for r in against}
+    lines = ["| graph | model | variant | seeds | against: A / B | runs: A / B | half A gap | half B gap | runs changed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    means: list[tuple[float, float]] = []
+    for (graph, model, variant), group in grouped(runs):
+        pairs = [(other[key], r) for r in group if (key := (graph, model, variant, r["seed"])) in other]
+        if not pairs:
+            continue
+        base = [scores(b, margin) for b, _ in pairs]
+        mine = [scores(r, margin) for _, r in pairs]
+        changed = sum((b["shallower"], b["deeper"]) != (r["shallower"], r["deeper"]) for b, r in pairs)
+        arms = [f"{statistics.mean(a for a, _, _ in arm):.3f} / {statistics.mean(b for _, b, _ in arm):.3f}"
+                for arm in (base, mine)]
+        gaps = [search_margin.gap([x[i] for x in mine], [x[i] for x in base]) for i in (0, 1)]
+        means.append(tuple(100 * statistics.mean(x[i] - y[i] for x, y in zip(mine, base)) for i in (0, 1)))
+        lines.append(f"| {graph} | {model} | {variant} | {len(pairs)} | " + " | ".join(arms + gaps)
+                     + f" | {changed} of {len(pairs)} |")
+    return lines + ["", f"over {len(means)} rows: half A {statistics.mean(a for a, _ in means):+.2f} points, "
+                        f"half B {statistics.mean(b for _, b in means):+.2f}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", type=Path, default=accuracy.REPO.parent / "shared" / "datasets")
@@ -206,11 +233,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="runs side by side, one process and one torch thread each (default: one per CPU)")
     parser.add_argument("--out", type=Path, help="append every run's per-node results here (JSON lines)")
-    parser.add_argument("--tables", type=Path, help="print the table of runs written by --out, train nothing")
+    parser.add_argument("--tables", type=Path, nargs="+", help="print the table of runs written by --out, train nothing")
+    parser.add_argument("--against", type=Path, nargs="+",
+                        help="with --tables: the paired gaps of those runs against these (another arm), at the first margin")
     args = parser.parse_args()
     margins = [float(m) for m in args.margins.split(",")]
+    if args.tables and args.against:
+        runs, against = ([r for path in paths for r in read_runs(path)] for paths in (args.tables, args.against))
+        print("\n".join(paired_table(runs, against, margins[0])))
+        return
     if args.tables:
-        runs = read_runs(args.tables)
+        runs = [r for path in args.tables for r in read_runs(path)]
     else:
         graphs = [g for g in accuracy.SUITE if g.name in args.graphs.split(",")]
         variants = args.variants.split(",")

@@ -103,3 +103,14 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
     for name in ("suite", "holdout"):
         runs = read_runs(ROWS / f"depth_margin_{name}.jsonl")
         assert block(docs, name, "<!-- depth margin: {} -->") == table(runs, margins) + [""] + summary(runs, margins)
+
+
+def test_the_docs_show_the_table_of_skip_and_features_searched_together():
+    """docs/accuracy.md's table of the probe that searches layer 1's skip connection and input
+    features together is ``depth_margin.py --tables ... --against ...`` of its committed runs."""
+    from depth_margin import paired_table, read_runs
+
+    runs = read_runs(ROWS / "skip_features_together.jsonl")
+    against = read_runs(ROWS / "depth_margin_suite.jsonl") + read_runs(ROWS / "skip_features_greedy_actor.jsonl")
+    docs = REPO / "docs" / "accuracy.md"
+    assert block(docs, "paired", "<!-- skip and features together: {} -->") == paired_table(runs, against, 0.0)
