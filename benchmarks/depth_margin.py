@@ -145,11 +145,16 @@ def measure(store_path: Path, jobs_inputs: dict[tuple[str, int], tuple[DatasetRe
     return runs
 
 
-def read_runs(path: Path) -> list[dict[str, Any]]:
-    """The runs of an ``--out`` file; a run trained again (a stopped measurement started again finds
+def run_key(run: dict[str, Any]) -> tuple[str, str, str, int]:
+    """What names a run: (graph, model, variant, seed)."""
+    return run["graph"], run["model"], run["variant"], run["seed"]
+
+
+def read_runs(*paths: Path) -> list[dict[str, Any]]:
+    """The runs of ``--out`` files; a run trained again (a stopped measurement started again finds
     it in its store and appends it once more) counts once."""
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return list({(r["graph"], r["model"], r["variant"], r["seed"]): r for r in lines}.values())
+    lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    return list({run_key(r): r for r in lines}.values())
 
 
 Group = tuple[tuple[str, str, str], list[dict[str, Any]]]  # (graph, model, variant), its runs by seed
@@ -198,12 +203,12 @@ def paired_table(runs: list[dict[str, Any]], against: list[dict[str, Any]], marg
     arm, e.g. a patched search): both arms' half-A / half-B means at ``margin``, the paired gaps of
     ``runs`` against ``against`` in points ± their standard error, and the runs whose predictions
     differ; last, the gaps averaged over the rows."""
-    other = {(r["graph"], r["model"], r["variant"], r["seed"]): r for r in against}
+    other = {run_key(r): r for r in against}
     lines = ["| graph | model | variant | seeds | against: A / B | runs: A / B | half A gap | half B gap | runs changed |",
              "|---|---|---|---|---|---|---|---|---|"]
     means: list[tuple[float, float]] = []
     for (graph, model, variant), group in grouped(runs):
-        pairs = [(other[key], r) for r in group if (key := (graph, model, variant, r["seed"])) in other]
+        pairs = [(other[run_key(r)], r) for r in group if run_key(r) in other]
         if not pairs:
             continue
         base = [scores(b, margin) for b, _ in pairs]
@@ -239,11 +244,10 @@ def main() -> None:
     args = parser.parse_args()
     margins = [float(m) for m in args.margins.split(",")]
     if args.tables and args.against:
-        runs, against = ([r for path in paths for r in read_runs(path)] for paths in (args.tables, args.against))
-        print("\n".join(paired_table(runs, against, margins[0])))
+        print("\n".join(paired_table(read_runs(*args.tables), read_runs(*args.against), margins[0])))
         return
     if args.tables:
-        runs = [r for path in args.tables for r in read_runs(path)]
+        runs = read_runs(*args.tables)
     else:
         graphs = [g for g in accuracy.SUITE if g.name in args.graphs.split(",")]
         variants = args.variants.split(",")

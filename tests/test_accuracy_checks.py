@@ -111,6 +111,6 @@ def test_the_docs_show_the_table_of_skip_and_features_searched_together():
     from depth_margin import paired_table, read_runs
 
     runs = read_runs(ROWS / "skip_features_together.jsonl")
-    against = read_runs(ROWS / "depth_margin_suite.jsonl") + read_runs(ROWS / "skip_features_greedy_actor.jsonl")
+    against = read_runs(ROWS / "depth_margin_suite.jsonl", ROWS / "skip_features_greedy_actor.jsonl")
     docs = REPO / "docs" / "accuracy.md"
     assert block(docs, "paired", "<!-- skip and features together: {} -->") == paired_table(runs, against, 0.0)
