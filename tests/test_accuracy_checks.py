@@ -95,12 +95,13 @@ def test_the_docs_show_the_tables_of_the_holdout_protocol():
 
 
 def test_the_docs_show_the_tables_of_the_depth_margin():
-    """docs/accuracy.md's tables of ``benchmarks/depth_margin.py`` are those of its committed runs."""
+    """docs/accuracy.md's tables of ``benchmarks/depth_margin.py`` are those of its committed runs
+    (layer-wise on the suite's splits and under 60/20/20, ``centralized`` end to end)."""
     from depth_margin import read_runs, summary, table
 
     docs = REPO / "docs" / "accuracy.md"
     margins = [0.0, 0.5, 1.0, float("inf")]
-    for name in ("suite", "holdout"):
+    for name in ("suite", "holdout", "centralized"):
         runs = read_runs(ROWS / f"depth_margin_{name}.jsonl")
         assert block(docs, name, "<!-- depth margin: {} -->") == table(runs, margins) + [""] + summary(runs, margins)
 
