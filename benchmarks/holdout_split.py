@@ -45,6 +45,7 @@ from graphstore.lookup import DatasetRef
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from pyg_reference import load_plain
+from runner.launcher_watch import die_with_parent_thread
 
 FRACTIONS = SplitFractions(train=0.6, val=0.2, seed=0)
 CHECKED = ("reference", "centralized", "retexo", "retexo avg/5 int8")
@@ -118,7 +119,7 @@ def main() -> None:
             metric[graph] = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
         jobs = [(g, m, v, s) for s in range(args.seeds) for m in models for g in graphs for v in variants]
         runs: list[dict[str, Any]] = []
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        with ProcessPoolExecutor(max_workers=args.jobs, initializer=die_with_parent_thread) as pool:
             futures = [pool.submit(one_run, store_path, *inputs[g], g, m, v, s) for g, m, v, s in jobs]
             for future in as_completed(futures):
                 run = future.result()

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402
 import retexo_core.data  # noqa: E402
 from retexo_core.data import PartData  # noqa: E402
+from runner.launcher_watch import die_with_parent_thread  # noqa: E402
 
 
 def in_half_b(node_id: np.ndarray) -> torch.Tensor:
@@ -66,7 +67,9 @@ Runs = dict[float, dict[int, tuple[float, float]]]  # margin -> seed -> (half-A 
 
 
 def start_worker() -> None:
-    """A job process: one torch thread, and validation split in two wherever it loads a partition."""
+    """A job process: ends with the benchmark that spawned it (a stopped measurement leaves no
+    worker training on), one torch thread, and validation split in two wherever it loads a partition."""
+    die_with_parent_thread()
     torch.set_num_threads(1)
     split_validation_on_load()
 

@@ -1,11 +1,14 @@
 """``benchmarks/depth_margin.py`` reads both depths' predictions from the store: its per-node results
 give each run's stored validation and test accuracy, and with margin 0 it keeps the depth that the
-depth choice keeps."""
+depth choice keeps. Its job processes end with it."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
+import psutil
 from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -30,3 +33,38 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
             assert share_right(run[name]["val"]) == manifest.accuracy("val")
             assert share_right(run[name]["test"]) == manifest.accuracy("test")
         assert (choice.kept is choice.deeper) == keeps_deeper(run, 0.0)
+
+
+# a benchmark's pool as depth_margin.py and search_margin.py start it: one worker, busy in a job
+STOPPED_BENCHMARK = """
+import multiprocessing, sys, time
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, "benchmarks")
+import search_margin
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=search_margin.start_worker)
+    print(pool.submit(__import__("os").getpid).result(), flush=True)
+    pool.submit(time.sleep, 120)
+    time.sleep(120)
+"""
+
+
+def test_a_killed_benchmark_leaves_no_worker_training_on() -> None:
+    """SIGKILL a benchmark mid-job: its spawned worker ends with it (``search_margin.start_worker``
+    asks the kernel for that), instead of finishing its run as an orphan."""
+    benchmark = subprocess.Popen([sys.executable, "-c", STOPPED_BENCHMARK], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(benchmark.stdout.readline()))
+        time.sleep(1)  # the worker takes the sleeping job
+        benchmark.kill()
+        benchmark.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.2)
+        alive = worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+        if alive:
+            worker.kill()
+        assert not alive
+    finally:
+        benchmark.kill()
+        benchmark.wait(10)
