@@ -37,16 +37,24 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
 
 # a benchmark's pool as depth_margin.py and search_margin.py start it: one worker, busy in a job
 STOPPED_BENCHMARK = """
-import multiprocessing, sys, time
+import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, "benchmarks")
 import search_margin
 if __name__ == "__main__":
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=search_margin.start_worker)
-    print(pool.submit(__import__("os").getpid).result(), flush=True)
+    print(pool.submit(os.getpid).result(), flush=True)
     pool.submit(time.sleep, 120)
     time.sleep(120)
 """
+
+
+def still_running(process: psutil.Process) -> bool:
+    """Whether ``process`` exists and has not exited (an exited orphan may stay a zombie a moment)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_killed_benchmark_leaves_no_worker_training_on() -> None:
@@ -59,12 +67,12 @@ def test_a_killed_benchmark_leaves_no_worker_training_on() -> None:
         benchmark.kill()
         benchmark.wait(10)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+        while time.monotonic() < deadline and still_running(worker):
             time.sleep(0.2)
-        alive = worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
-        if alive:
+        orphaned = still_running(worker)
+        if orphaned:
             worker.kill()
-        assert not alive
+        assert not orphaned
     finally:
         benchmark.kill()
         benchmark.wait(10)
