@@ -23,6 +23,7 @@ graph has no node-by-node count.
         [--jobs N] [--store DIR] [--out FILE]
     .venv/bin/python benchmarks/depth_margin.py --tables FILE... [--margins 0,0.5,1]   # runs of --out
     .venv/bin/python benchmarks/depth_margin.py --tables FILE... --against FILE... [--margins 0]  # two arms, paired
+        [--against-variant centralized]  # each run against that variant's run of the same seed
 """
 
 from __future__ import annotations
@@ -198,17 +199,23 @@ def summary(runs: list[dict[str, Any]], margins: list[float]) -> list[str]:
     return lines
 
 
-def paired_table(runs: list[dict[str, Any]], against: list[dict[str, Any]], margin: float) -> list[str]:
+def paired_table(runs: list[dict[str, Any]], against: list[dict[str, Any]], margin: float,
+                 against_variant: str | None = None) -> list[str]:
     """One row per (graph, model, variant) of ``runs`` with the same seeds in ``against`` (another
-    arm, e.g. a patched search): both arms' half-A / half-B means at ``margin``, the paired gaps of
-    ``runs`` against ``against`` in points ± their standard error, and the runs whose predictions
-    differ; last, the gaps averaged over the rows."""
+    arm, e.g. a patched search), paired with the run of the same variant, or with ``against_variant``
+    the run of that variant (e.g. layer-wise against end-to-end training on the same halves): both
+    arms' half-A / half-B means at ``margin``, the paired gaps of ``runs`` against ``against`` in
+    points ± their standard error, and the runs whose predictions differ; last, the gaps averaged
+    over the rows."""
     other = {run_key(r): r for r in against}
+
+    def partner(run: dict[str, Any]) -> tuple[str, str, str, int]:
+        return run["graph"], run["model"], against_variant or run["variant"], run["seed"]
     lines = ["| graph | model | variant | seeds | against: A / B | runs: A / B | half A gap | half B gap | runs changed |",
              "|---|---|---|---|---|---|---|---|---|"]
     means: list[tuple[float, float]] = []
     for (graph, model, variant), group in grouped(runs):
-        pairs = [(other[run_key(r)], r) for r in group if run_key(r) in other]
+        pairs = [(other[partner(r)], r) for r in group if partner(r) in other]
         if not pairs:
             continue
         base = [scores(b, margin) for b, _ in pairs]
@@ -220,6 +227,8 @@ def paired_table(runs: list[dict[str, Any]], against: list[dict[str, Any]], marg
         means.append(tuple(100 * statistics.mean(x[i] - y[i] for x, y in zip(mine, base)) for i in (0, 1)))
         lines.append(f"| {graph} | {model} | {variant} | {len(pairs)} | " + " | ".join(arms + gaps)
                      + f" | {changed} of {len(pairs)} |")
+    if not means:
+        return lines + ["", "no run of these has a partner in the other arm"]
     return lines + ["", f"over {len(means)} rows: half A {statistics.mean(a for a, _ in means):+.2f} points, "
                         f"half B {statistics.mean(b for _, b in means):+.2f}"]
 
@@ -241,10 +250,13 @@ def main() -> None:
     parser.add_argument("--tables", type=Path, nargs="+", help="print the table of runs written by --out, train nothing")
     parser.add_argument("--against", type=Path, nargs="+",
                         help="with --tables: the paired gaps of those runs against these (another arm), at the first margin")
+    parser.add_argument("--against-variant",
+                        help="with --against: pair each run with the run of this variant (same graph, model and seed)")
     args = parser.parse_args()
     margins = [float(m) for m in args.margins.split(",")]
     if args.tables and args.against:
-        print("\n".join(paired_table(read_runs(*args.tables), read_runs(*args.against), margins[0])))
+        print("\n".join(paired_table(read_runs(*args.tables), read_runs(*args.against), margins[0],
+                                        args.against_variant)))
         return
     if args.tables:
         runs = read_runs(*args.tables)

@@ -12,7 +12,7 @@ import psutil
 from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from depth_margin import correct_by_split, keeps_deeper, share_right  # noqa: E402
+from depth_margin import correct_by_split, keeps_deeper, paired_table, share_right  # noqa: E402
 
 from retexo_core.comm.network import NetworkModel  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
@@ -33,6 +33,23 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
             assert share_right(run[name]["val"]) == manifest.accuracy("val")
             assert share_right(run[name]["test"]) == manifest.accuracy("test")
         assert (choice.kept is choice.deeper) == keeps_deeper(run, 0.0)
+
+
+def a_run(variant: str, seed: int, half_b: str) -> dict:
+    """A run of ``--out`` whose two depths are alike: half A all right, half B as given."""
+    depth = {"val": "1111", "test": half_b}
+    return {"graph": "cora", "model": "gcn", "variant": variant, "seed": seed, "layers": 2,
+            "shallower": depth, "deeper": depth}
+
+
+def test_runs_pair_with_another_variants_runs_of_the_same_seed_only_when_asked() -> None:
+    layerwise = [a_run("centralized --layerwise", 0, "1100"), a_run("centralized --layerwise", 1, "1000")]
+    end_to_end = [a_run("centralized", 0, "1110"), a_run("centralized", 1, "1110"), a_run("centralized", 2, "0000")]
+    assert paired_table(layerwise, end_to_end, 0.0)[2:] == ["", "no run of these has a partner in the other arm"]
+    row = paired_table(layerwise, end_to_end, 0.0, against_variant="centralized")[2]
+    # seeds 0 and 1 pair (seed 2 has no partner); half B per seed: -25 and -50 points
+    assert row == ("| cora | gcn | centralized --layerwise | 2 | 1.000 / 0.750 | 1.000 / 0.375 | +0.00 ± 0.00 "
+                   "| -37.50 ± 12.50 | 2 of 2 |")
 
 
 # a benchmark's pool as depth_margin.py and search_margin.py start it: one worker, busy in a job
