@@ -78,9 +78,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "standard": {"strategy": "standard"},
 }
 # variants that --variants may name and the suite does not train unless named: both retexo variants
-# with the fresh pair
+# with the fresh pair, and layer-wise training without the recipe search
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
-    f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")
+    **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
+    "centralized --layerwise --recipe default": {"strategy": "centralized", "layerwise": True, "recipe": "default"},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)

@@ -18,9 +18,13 @@ margin's half-A and half-B means, how often the deeper model is kept, and the pa
 against margin 0 ± its standard error over the seeds. Accuracy graphs only: a ROC-AUC (two-class)
 graph has no node-by-node count.
 
+With ``--validation half-a`` the runs validate on half A and test on the graph's test split (half B
+unlabelled), with ``whole`` on the graph's own split: column B is then the test split, and
+``--against`` of the two measures what halving the validation costs each variant on test.
+
     .venv/bin/python benchmarks/depth_margin.py [--graphs cora,citeseer] [--models gcn,sage,gat]
         [--variants centralized,"centralized --layerwise"] [--margins 0,0.5,1] [--seeds N] [--holdout]
-        [--jobs N] [--store DIR] [--out FILE]
+        [--jobs N] [--store DIR] [--out FILE] [--validation halves|half-a|whole]
     .venv/bin/python benchmarks/depth_margin.py --tables FILE... [--margins 0,0.5,1]   # runs of --out
     .venv/bin/python benchmarks/depth_margin.py --tables FILE... --against FILE... [--margins 0]  # two arms, paired
         [--against-variant centralized]  # each run against that variant's run of the same seed
@@ -77,13 +81,13 @@ def correct_by_split(store: Store, run: RunManifest) -> dict[str, str]:
 
 def one_run(store_path: Path, graph: str, dataset: DatasetRef, partition: object, model: str, variant: str,
             seed: int) -> dict[str, Any]:
-    """One run that chooses its depth, under nested validation: both depths' per-node results."""
+    """One run under nested validation: both depths' per-node results (a run of one depth, such as
+    ``--recipe default``'s, as both: every margin keeps it)."""
     store = Store.open(store_path)
-    plan, _ = accuracy.train_plan(store, dataset, partition, accuracy.VARIANTS[variant], model, seed)
-    choice = depth_choice(plan)
-    return {"graph": graph, "model": model, "variant": variant, "seed": seed,
-            "layers": len(choice.shallower.layers),
-            "shallower": correct_by_split(store, choice.shallower), "deeper": correct_by_split(store, choice.deeper)}
+    plan, kept = accuracy.train_plan(store, dataset, partition, accuracy.ALL_VARIANTS[variant], model, seed)
+    shallower, deeper = (kept, kept) if plan.deeper is None else (depth_choice(plan).shallower, depth_choice(plan).deeper)
+    return {"graph": graph, "model": model, "variant": variant, "seed": seed, "layers": len(shallower.layers),
+            "shallower": correct_by_split(store, shallower), "deeper": correct_by_split(store, deeper)}
 
 
 def share_right(correct: str) -> float:
@@ -125,14 +129,16 @@ def inputs(store: Store, graphs: list[accuracy.SuiteGraph], datasets: Path, seed
 
 
 def measure(store_path: Path, jobs_inputs: dict[tuple[str, int], tuple[DatasetRef, object]], models: list[str],
-            variants: list[str], jobs: int, out: Path | None) -> list[dict[str, Any]]:
+            variants: list[str], jobs: int, out: Path | None, validation: str = "halves") -> list[dict[str, Any]]:
     """Every (graph, seed) of ``jobs_inputs`` with every model and variant, as a job of ``jobs``
-    processes side by side; each run is appended to ``out`` (one JSON line) as it ends, so that a
-    stopped measurement keeps its runs."""
+    processes side by side, each seeing the validation split as ``search_margin.VALIDATION[validation]``
+    sets it; each run is appended to ``out`` (one JSON line) as it ends, so that a stopped
+    measurement keeps its runs."""
     tasks = [(g, s, m, v) for (g, s) in jobs_inputs for m in models for v in variants]
     runs = []
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=search_margin.start_worker) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=search_margin.start_worker,
+                             initargs=(validation,)) as pool:
         futures = [pool.submit(one_run, store_path, g, *jobs_inputs[g, s], m, v, s) for g, s, m, v in tasks]
         for future in as_completed(futures):
             run = future.result()
@@ -243,6 +249,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, help="seeds of every graph (default: the suite's own; 3 with --holdout)")
     parser.add_argument("--holdout", action="store_true",
                         help="the graphs with holdout_split.py's stratified 60/20/20 split, training seeds 0..N-1")
+    parser.add_argument("--validation", choices=sorted(search_margin.VALIDATION), default="halves",
+                        help="halves (default): half A validates, half B tests; half-a: half A validates, the "
+                        "test split tests (what the choices lose with half the validation); whole: the graph's "
+                        "own split. A store holds runs of one of them only (their fingerprints are alike)")
     parser.add_argument("--store", type=Path, help="a store for these runs only (default: a temporary one)")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="runs side by side, one process and one torch thread each (default: one per CPU)")
@@ -266,7 +276,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="retexo-depth-margin-") as tmp:
             store_path = args.store or Path(tmp) / "store"
             jobs_inputs = inputs(Store.open(store_path), graphs, args.datasets, args.seeds, args.holdout, Path(tmp))
-            runs = measure(store_path, jobs_inputs, args.models.split(","), variants, args.jobs, args.out)
+            runs = measure(store_path, jobs_inputs, args.models.split(","), variants, args.jobs, args.out,
+                           args.validation)
     print("\n".join(table(runs, margins) + [""] + summary(runs, margins)))
 
 

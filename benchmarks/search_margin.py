@@ -32,7 +32,7 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -56,22 +56,35 @@ def nested(data: PartData) -> PartData:
     return dataclasses.replace(data, masks={**data.masks, "val": val & ~half_b, "test": val & half_b})
 
 
-def split_validation_on_load() -> None:
-    """Every partition (and whole graph) a rank loads from now on comes with validation split in two."""
+def half_a_only(data: PartData) -> PartData:
+    """``data`` with validation half A as its val split; half B unlabelled, the test split as it is."""
+    val = data.masks["val"] & ~in_half_b(data.node_id)
+    return dataclasses.replace(data, masks={**data.masks, "val": val})
+
+
+# how a job sees the validation split: halves (A validates, B stands in for test), half-a (A
+# validates, the real test split tests: what the choices lose with half the validation), whole
+VALIDATION = {"halves": nested, "half-a": half_a_only, "whole": None}
+
+
+def split_validation_on_load(split: Callable[[PartData], PartData] = nested) -> None:
+    """Every partition (and whole graph) a rank loads from now on comes with its masks as ``split`` sets them."""
     load_part, load_whole_graph = retexo_core.data.load_part, retexo_core.data.load_whole_graph
-    retexo_core.data.load_part = lambda *a, **k: nested(load_part(*a, **k))  # type: ignore[assignment]
-    retexo_core.data.load_whole_graph = lambda *a, **k: nested(load_whole_graph(*a, **k))  # type: ignore[assignment]
+    retexo_core.data.load_part = lambda *a, **k: split(load_part(*a, **k))  # type: ignore[assignment]
+    retexo_core.data.load_whole_graph = lambda *a, **k: split(load_whole_graph(*a, **k))  # type: ignore[assignment]
 
 
 Runs = dict[float, dict[int, tuple[float, float]]]  # margin -> seed -> (half-A score, half-B score)
 
 
-def start_worker() -> None:
+def start_worker(validation: str = "halves") -> None:
     """A job process: ends with the benchmark that spawned it (a stopped measurement leaves no
-    worker training on), one torch thread, and validation split in two wherever it loads a partition."""
+    worker training on), one torch thread, and validation split as ``VALIDATION[validation]`` sets
+    it (default: in two) wherever it loads a partition."""
     die_with_parent_thread()
     torch.set_num_threads(1)
-    split_validation_on_load()
+    if (split := VALIDATION[validation]) is not None:
+        split_validation_on_load(split)
 
 
 def one_run(store_path: Path, graph: accuracy.SuiteGraph, datasets: Path, model: str, margin: float,

@@ -106,12 +106,16 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
         assert block(docs, name, "<!-- depth margin: {} -->") == table(runs, margins) + [""] + summary(runs, margins)
 
 
-def test_the_docs_show_the_table_of_skip_and_features_searched_together():
-    """docs/accuracy.md's table of the probe that searches layer 1's skip connection and input
-    features together is ``depth_margin.py --tables ... --against ...`` of its committed runs."""
+@pytest.mark.parametrize("mark, runs, against, against_variant", [
+    # the probe that searches layer 1's skip connection and input features together
+    ("skip and features together", ["skip_features_together"], ["depth_margin_suite", "skip_features_greedy_actor"], None),
+    ("layer-wise against end to end", ["depth_margin_suite"], ["depth_margin_centralized"], "centralized"),
+    ("validation size", ["validation_half_a"], ["validation_whole"], None),
+])
+def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
+    """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
     from depth_margin import paired_table, read_runs
 
-    runs = read_runs(ROWS / "skip_features_together.jsonl")
-    against = read_runs(ROWS / "depth_margin_suite.jsonl", ROWS / "skip_features_greedy_actor.jsonl")
-    docs = REPO / "docs" / "accuracy.md"
-    assert block(docs, "paired", "<!-- skip and features together: {} -->") == paired_table(runs, against, 0.0)
+    table = paired_table(read_runs(*(ROWS / f"{name}.jsonl" for name in runs)),
+                         read_runs(*(ROWS / f"{name}.jsonl" for name in against)), 0.0, against_variant)
+    assert block(REPO / "docs" / "accuracy.md", "paired", f"<!-- {mark}: {{}} -->") == table

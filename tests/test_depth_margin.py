@@ -13,6 +13,9 @@ from processes import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from depth_margin import correct_by_split, keeps_deeper, paired_table, share_right  # noqa: E402
+from search_margin import half_a_only, in_half_b, nested  # noqa: E402
+
+from retexo_core.data import load_part  # noqa: E402
 
 from retexo_core.comm.network import NetworkModel  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
@@ -33,6 +36,17 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
             assert share_right(run[name]["val"]) == manifest.accuracy("val")
             assert share_right(run[name]["test"]) == manifest.accuracy("test")
         assert (choice.kept is choice.deeper) == keeps_deeper(run, 0.0)
+
+
+def test_the_validation_protocols_split_validation_and_keep_every_other_node(tiny) -> None:
+    data = load_part(tiny[2].path, 0)
+    val, test, half_b = data.masks["val"], data.masks["test"], in_half_b(data.node_id)
+    assert (val & half_b).any() and (val & ~half_b).any()
+    halves, half_a = nested(data), half_a_only(data)
+    assert halves.masks["val"].equal(val & ~half_b) and halves.masks["test"].equal(val & half_b)
+    assert half_a.masks["val"].equal(val & ~half_b) and half_a.masks["test"].equal(test)
+    for split in (halves, half_a):
+        assert split.masks["train"].equal(data.masks["train"])
 
 
 def a_run(variant: str, seed: int, half_b: str) -> dict:
