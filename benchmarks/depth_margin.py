@@ -85,7 +85,11 @@ def one_run(store_path: Path, graph: str, dataset: DatasetRef, partition: object
     ``--recipe default``'s, as both: every margin keeps it)."""
     store = Store.open(store_path)
     plan, kept = accuracy.train_plan(store, dataset, partition, accuracy.ALL_VARIANTS[variant], model, seed)
-    shallower, deeper = (kept, kept) if plan.deeper is None else (depth_choice(plan).shallower, depth_choice(plan).deeper)
+    if plan.deeper is None:
+        shallower = deeper = kept
+    else:
+        choice = depth_choice(plan)
+        shallower, deeper = choice.shallower, choice.deeper
     return {"graph": graph, "model": model, "variant": variant, "seed": seed, "layers": len(shallower.layers),
             "shallower": correct_by_split(store, shallower), "deeper": correct_by_split(store, deeper)}
 

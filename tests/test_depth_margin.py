@@ -15,9 +15,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from depth_margin import correct_by_split, keeps_deeper, paired_table, share_right  # noqa: E402
 from search_margin import half_a_only, in_half_b, nested  # noqa: E402
 
-from retexo_core.data import load_part  # noqa: E402
-
 from retexo_core.comm.network import NetworkModel  # noqa: E402
+from retexo_core.data import load_part  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
 from runner.lifecycle import run_training  # noqa: E402
 from runner.plan import plan_run  # noqa: E402
@@ -38,7 +37,8 @@ def test_the_per_node_results_are_the_stored_scores_and_margin_0_is_the_depth_ch
         assert (choice.kept is choice.deeper) == keeps_deeper(run, 0.0)
 
 
-def test_the_validation_protocols_split_validation_and_keep_every_other_node(tiny) -> None:
+def test_the_validation_protocols_split_validation_and_keep_the_train_split(tiny) -> None:
+    """``halves``: half A validates, half B tests; ``half-a``: half A validates, the test split tests."""
     data = load_part(tiny[2].path, 0)
     val, test, half_b = data.masks["val"], data.masks["test"], in_half_b(data.node_id)
     assert (val & half_b).any() and (val & ~half_b).any()
