@@ -81,8 +81,8 @@ def correct_by_split(store: Store, run: RunManifest) -> dict[str, str]:
 
 def one_run(store_path: Path, graph: str, dataset: DatasetRef, partition: object, model: str, variant: str,
             seed: int) -> dict[str, Any]:
-    """One run under nested validation: both depths' per-node results (a run of one depth, such as
-    ``--recipe default``'s, as both: every margin keeps it)."""
+    """One run, its validation split as the job's ``--validation`` sets it: both depths' per-node
+    results (a run of one depth, such as ``--recipe default``'s, as both: every margin keeps it)."""
     store = Store.open(store_path)
     plan, kept = accuracy.train_plan(store, dataset, partition, accuracy.ALL_VARIANTS[variant], model, seed)
     if plan.deeper is None:

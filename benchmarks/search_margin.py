@@ -67,7 +67,7 @@ def half_a_only(data: PartData) -> PartData:
 VALIDATION = {"halves": nested, "half-a": half_a_only, "whole": None}
 
 
-def split_validation_on_load(split: Callable[[PartData], PartData] = nested) -> None:
+def split_validation_on_load(split: Callable[[PartData], PartData]) -> None:
     """Every partition (and whole graph) a rank loads from now on comes with its masks as ``split`` sets them."""
     load_part, load_whole_graph = retexo_core.data.load_part, retexo_core.data.load_whole_graph
     retexo_core.data.load_part = lambda *a, **k: split(load_part(*a, **k))  # type: ignore[assignment]
