@@ -111,6 +111,8 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
     ("skip and features together", ["skip_features_together"], ["depth_margin_suite", "skip_features_greedy_actor"], None),
     ("layer-wise against end to end", ["depth_margin_suite"], ["depth_margin_centralized"], "centralized"),
     ("validation size", ["validation_half_a"], ["validation_whole"], None),
+    # the probe of a smoothed statistic for the layer-wise search (not adopted)
+    ("recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"], "centralized --layerwise"),
 ])
 def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
     """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
