@@ -113,6 +113,8 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
     ("validation size", ["validation_half_a"], ["validation_whole"], None),
     # the probe of a smoothed statistic for the layer-wise search (not adopted)
     ("recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"], "centralized --layerwise"),
+    ("recipe score smoothed, end to end", ["recipe_score_smoothed_centralized"], ["depth_margin_centralized"],
+     "centralized"),
 ])
 def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
     """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
