@@ -111,7 +111,7 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
     ("skip and features together", ["skip_features_together"], ["depth_margin_suite", "skip_features_greedy_actor"], None),
     ("layer-wise against end to end", ["depth_margin_suite"], ["depth_margin_centralized"], "centralized"),
     ("validation size", ["validation_half_a"], ["validation_whole"], None),
-    # the probe of a smoothed statistic for the layer-wise search (not adopted)
+    # the probe of a smoothed statistic for the recipe search, layer-wise and end to end (not adopted)
     ("recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"], "centralized --layerwise"),
     ("recipe score smoothed, end to end", ["recipe_score_smoothed_centralized"], ["depth_margin_centralized"],
      "centralized"),
