@@ -4,7 +4,9 @@ machine, and flow runs that never stay ``RUNNING`` after their process died.
 - Without ``PREFECT_API_URL`` Prefect starts a temporary (ephemeral) API server and waits 20 s
   for it by default; under CPU load that is too short. ``EPHEMERAL_STARTUP_TIMEOUT_S`` is used
   unless the user set ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``, and a server that
-  still does not start is reported in one line that says what to do.
+  still does not start is reported in one line that says what to do. Prefect's wait gives each
+  ``/health`` request 5 s and fails on the first slower answer, which a busy machine's server can
+  take: ``start_temporary_server`` waits for it instead, within the same limit.
 - Every flow run started here is tagged with this process (``retexo-process:<host>:<pid>:<start
   time>``, ``flows.local_run``). Before a new flow runs, flow runs of this host still ``RUNNING``
   whose process is gone (killed with SIGKILL, or the machine lost power) are set to ``Crashed``.
@@ -24,9 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -34,6 +37,9 @@ from flows.local_run import PROCESS_TAG, forget_outcome, noted_outcome
 from graphstore.errors import RetexoError
 from runner.descendant_guard import guard_descendants
 from tasks.best_effort import api_lost, is_unreachable
+
+if TYPE_CHECKING:
+    from prefect.server.api.server import SubprocessASGIServer
 
 log = logging.getLogger(__name__)
 
@@ -157,13 +163,56 @@ def quiet_temporary_server() -> Iterator[None]:
         os.environ.pop(QUIET_SERVER_ENV, None)
 
 
-def reach_api(first_call: Callable[[], Any]) -> None:
-    """``first_call()``, the first use of the Prefect API here (it starts the temporary server when
-    no PREFECT_API_URL is set); one line of advice when the API cannot be started or reached."""
+def start_temporary_server(server: SubprocessASGIServer, timeout_s: float) -> None:
+    """``server.start(timeout_s)``, patient with a server that is slow to answer
+    (``wait_for_slow_server``)."""
     import httpx
 
     try:
+        server.start(timeout=int(timeout_s))
+    except httpx.TimeoutException:
+        wait_for_slow_server(server, timeout_s)
+
+
+def wait_for_slow_server(server: SubprocessASGIServer, timeout_s: float) -> None:
+    """Wait for a temporary server whose ``start`` raised ``httpx.TimeoutException``.
+
+    Prefect's start polls ``/health`` with httpx's default 5 s read timeout and raises on the
+    first slower answer, which a server that has bound its port on a busy machine can take. Here
+    its ``/health`` is polled again for up to ``timeout_s`` seconds, each request allowed the rest
+    of that time; a server that exits or still does not answer raises the ``RuntimeError`` that
+    Prefect's start raises ("... ephemeral Prefect API server ...")."""
+    import httpx
+
+    log.info("the temporary Prefect API server at %s is slow to answer; waiting up to %s s more",
+             server.api_url, timeout_s)
+    process = server.server_process
+    deadline = time.monotonic() + timeout_s
+    while process is not None and process.poll() is None and (left := deadline - time.monotonic()) > 0:
+        try:
+            if httpx.get(f"{server.api_url}/health", timeout=left).status_code == 200:
+                server.running = True  # what Prefect's start sets once the server answers
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    why = "exited" if process is None or process.poll() is not None else "did not answer"
+    raise RuntimeError(f"Timed out while attempting to connect to ephemeral Prefect API server: it {why}.")
+
+
+def reach_api(first_call: Callable[[], Any]) -> None:
+    """``first_call()``, the first use of the Prefect API here, after starting the temporary
+    server (``start_temporary_server``) when no PREFECT_API_URL is set; one line of advice when the
+    API cannot be started or reached."""
+    import httpx
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    try:
         with quiet_temporary_server():
+            if not PREFECT_API_URL.value():
+                # the instance Prefect's clients start (and find started) when they have no API URL
+                start_temporary_server(SubprocessASGIServer(), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
             first_call()
     except RuntimeError as exc:
         if "ephemeral Prefect API server" not in str(exc):

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, run_cli, table_rows
+from conftest import REPO, prefect_test_server, run_cli, table_rows
 from flows.params import PipelineParams
 
 # one worker runs the whole module: its tests share the temporary Prefect server below
@@ -23,9 +23,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.m
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server() -> Iterator[None]:
     """One temporary Prefect server (SQLite in a temp folder) for this module's flow runs."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=300):
+    with prefect_test_server():
         yield
 
 

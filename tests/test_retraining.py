@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_table_version
+from conftest import prefect_test_server, write_table_version
 from flows.params import PipelineParams
 from graphstore.sql_query import query
 from graphstore.layout import Store
@@ -23,9 +23,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.m
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=300):
+    """One temporary Prefect server for this module's flow runs."""
+    with prefect_test_server():
         yield
 
 
