@@ -115,6 +115,8 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
     ("recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"], "centralized --layerwise"),
     ("recipe score smoothed, end to end", ["recipe_score_smoothed_centralized"], ["depth_margin_centralized"],
      "centralized"),
+    # the probe of ELU after GAT's hidden blocks, end to end (not adopted)
+    ("gat elu, end to end", ["gat_elu_centralized"], ["depth_margin_centralized"], "centralized"),
 ])
 def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
     """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
