@@ -20,11 +20,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from cli.prefect_runtime import start_temporary_server
+
+if TYPE_CHECKING:
+    from prefect.server.api.server import SubprocessASGIServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -39,16 +43,17 @@ def silent_listener() -> socket.socket:
     return listener
 
 
-def hold_first_health_check(server: object, listener: socket.socket, release: bool) -> threading.Thread:
+def hold_first_health_check(server: SubprocessASGIServer, listener: socket.socket, release: bool) -> threading.Thread:
     """A thread that stops ``server``'s process as soon as it exists, waits for the first client
     of ``listener`` (Prefect's health check) to give up and close its connection, then closes
     ``listener`` and, if ``release``, lets the server's process run on."""
 
     def hold() -> None:
         deadline = time.monotonic() + WAIT_S
-        while server.server_process is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while server.server_process is None and time.monotonic() < deadline:
             time.sleep(0.001)
-        process = server.server_process  # type: ignore[attr-defined]
+        process = server.server_process
+        assert process is not None
         os.kill(process.pid, signal.SIGSTOP)
         listener.settimeout(WAIT_S)
         connection, _ = listener.accept()
@@ -66,7 +71,7 @@ def hold_first_health_check(server: object, listener: socket.socket, release: bo
 
 
 @contextmanager
-def temporary_server_on(port: int, tmp_path: Path) -> Iterator[object]:
+def temporary_server_on(port: int, tmp_path: Path) -> Iterator[SubprocessASGIServer]:
     """Prefect's temporary server object for ``port`` over a database in ``tmp_path``; its process
     is stopped (SIGKILL after SIGCONT) and the object forgotten at the end."""
     import prefect.settings
