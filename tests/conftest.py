@@ -104,27 +104,24 @@ def torch_threads_reset(default_torch_threads: int) -> Iterator[None]:
 @contextmanager
 def prefect_test_server() -> Iterator[None]:
     """Prefect's test harness (a temporary server over a temporary SQLite database) for the flows
-    run in this process. Its server is given 300 s to start, and a first ``/health`` answer slower
-    than Prefect's 5 s is waited for (``cli.prefect_runtime.wait_for_slow_server``, as ``retexo
-    run`` does): with make test's workers on both cores, Prefect's own start once raised
-    ``httpx.ReadTimeout`` here."""
-    import httpx
+    run in this process. Its server is given 300 s to start, and a first ``/health``
+    answer slower than Prefect's 5 s is waited for (``cli.prefect_runtime.start_temporary_server``,
+    as ``retexo run`` does): with make test's workers on both cores, Prefect's own start once
+    raised ``httpx.ReadTimeout`` here."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.testing.utilities import prefect_test_harness
 
-    from cli.prefect_runtime import wait_for_slow_server
+    from cli.prefect_runtime import start_temporary_server
 
+    startup_s = 300
     prefect_start = SubprocessASGIServer.start
 
     def patient_start(server: SubprocessASGIServer, timeout: int | None = None) -> None:
-        try:
-            prefect_start(server, timeout)
-        except httpx.TimeoutException:
-            wait_for_slow_server(server, timeout or 300)
+        start_temporary_server(server, timeout or startup_s, prefect_start)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SubprocessASGIServer, "start", patient_start)
-        with prefect_test_harness(server_startup_timeout=300):
+        with prefect_test_harness(server_startup_timeout=startup_s):
             yield
 
 

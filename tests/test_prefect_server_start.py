@@ -72,8 +72,8 @@ def hold_first_health_check(server: SubprocessASGIServer, listener: socket.socke
 
 @contextmanager
 def temporary_server_on(port: int, tmp_path: Path) -> Iterator[SubprocessASGIServer]:
-    """Prefect's temporary server object for ``port`` over a database in ``tmp_path``; its process
-    is stopped (SIGKILL after SIGCONT) and the object forgotten at the end."""
+    """Prefect's temporary server object for ``port`` over a database in ``tmp_path``; at the end
+    its process is let run (SIGCONT) and stopped by Prefect's ``stop``, which forgets the object."""
     import prefect.settings
     from prefect.server.api.server import SubprocessASGIServer
 
