@@ -117,6 +117,7 @@ def test_the_docs_show_the_tables_of_the_depth_margin():
      "centralized"),
     # the probe of ELU after GAT's hidden blocks, end to end (not adopted)
     ("gat elu, end to end", ["gat_elu_centralized"], ["depth_margin_centralized"], "centralized"),
+    ("candidate ensembles, gat", ["candidate_ensembles_gat"], ["depth_margin_centralized"], "centralized"),
 ])
 def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
     """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
