@@ -31,6 +31,16 @@ small for two threads to share. ``--device cuda`` trains the reference and every
     .venv/bin/python benchmarks/accuracy.py [--seeds 3]
     .venv/bin/python benchmarks/accuracy.py --suite [--seeds N] [--graphs cora,actor] [--models gcn] [--jobs 2] [--out FILE]
     .venv/bin/python benchmarks/accuracy.py --tables FILE... [--write-docs]   # parts run side by side (merged)
+
+``--graph [NAME=]PATH`` (repeatable) runs the same comparison on a graph of your own, in place of the
+suite's graphs (or beside those that ``--graphs`` names): a Planetoid folder, an ``.npz`` in either
+layout ``retexo ingest npz`` reads, or a ``.zip`` holding one. Where the file ships split masks, seed i
+trains on split i (at most as many seeds as splits); otherwise on a stratified 60/20/20 split (seed 0)
+with training seeds 0, 1, ..; 3 seeds unless ``--seeds``. ``--graph NAME`` alone names a dataset
+already in ``--store`` (e.g. one that ``retexo ingest tables`` wrote): its own split, training seeds.
+
+    .venv/bin/python benchmarks/accuracy.py --graph mine=/data/mine.npz [--models gcn] [--seeds 3]
+    .venv/bin/python benchmarks/accuracy.py --store retexo-store --graph sites --models gcn
 """
 
 from __future__ import annotations
@@ -45,17 +55,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from graphstore.errors import InputError, RetexoError  # noqa: E402
 from graphstore.ingest.api import ingest_npz, ingest_planetoid  # noqa: E402
+from graphstore.ingest.npz_source import NpzArrays, split_count  # noqa: E402
 from graphstore.ingest.splits import SplitFractions  # noqa: E402
-from graphstore.layout import Store  # noqa: E402
-from graphstore.lookup import DatasetRef  # noqa: E402
+from graphstore.layout import NAME_RULE, Store, is_valid_name  # noqa: E402
+from graphstore.lookup import DatasetRef, find_dataset  # noqa: E402
 from graphstore.manifests import RunManifest  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
 from graphstore.partition.methods import PartitionOptions  # noqa: E402
@@ -91,16 +103,18 @@ PUBLISHED = {"gcn": (0.820, 0.828), "sage": (0.826, 0.825), "gat": (0.807, 0.818
 @dataclass(frozen=True)
 class SuiteGraph:
     name: str
-    path: str  # relative to the datasets folder: a Planetoid folder or an .npz / .zip file
+    # a Planetoid folder or an .npz / .zip file, relative to the datasets folder (or absolute); "": a dataset
+    # already in the store, read by name
+    path: str
     official_split: bool = True  # .npz: seed i uses split i of its masks; else a stratified 60/20/20 split (seed 0)
     default_seeds: int = 3  # seeds without --seeds (stated in the table)
     max_seeds: int | None = None  # the largest graphs train one seed: their split is drawn once
+    spec: str | None = None  # the --graph argument of a graph that is not the suite's own
 
     def seeds(self, requested: int | None) -> int:
         """How many seeds this graph trains: ``default_seeds``, or the ``requested`` ones (at most ``max_seeds``)."""
-        if requested is None:
-            return self.default_seeds
-        return min(requested, self.max_seeds or requested)
+        wanted = self.default_seeds if requested is None else requested
+        return min(wanted, self.max_seeds or wanted)
 
 
 SUITE = (
@@ -120,9 +134,41 @@ SUITE = (
 )
 
 
+def user_graph(spec: str, store: Store) -> SuiteGraph:
+    """The graph that ``--graph spec`` names: ``[NAME=]PATH`` of a Planetoid folder, an ``.npz`` or a
+    ``.zip`` holding one (NAME: the file's or folder's name without suffixes), or the name of a dataset
+    already in ``store``. Raises ``RetexoError`` with one line where it names none of them."""
+    name, given, location = spec.partition("=")
+    path = Path(location if given else spec).expanduser()
+    if not path.exists():
+        if given or "/" in spec or path.suffix:
+            raise InputError(str(path), "--graph: no such file or folder")
+        try:
+            find_dataset(store, spec)
+        except RetexoError:
+            raise InputError(spec, f"--graph: no such file or folder, and no dataset of that name in {store.root} "
+                                   "(a stored dataset needs --store)") from None
+        return SuiteGraph(spec, "", official_split=False, spec=spec)
+    name = name if given else path.name.split(".")[0]
+    if not is_valid_name(name):
+        raise InputError(spec, f"--graph: '{name}' is not a valid name ({NAME_RULE})")
+    if any(name == g.name for g in SUITE):
+        raise InputError(spec, f"--graph: '{name}' is a suite graph's name; give yours another (NAME=PATH)")
+    if path.is_dir():  # Planetoid files: their public split
+        return SuiteGraph(name, str(path.resolve()), spec=spec)
+    if path.suffix not in (".npz", ".zip"):
+        raise InputError(str(path), "--graph: expected a Planetoid folder, an .npz file or a .zip holding one")
+    with NpzArrays(path) as arrays:
+        splits = split_count(arrays)
+    return SuiteGraph(name, str(path.resolve()), official_split=splits > 0, max_seeds=splits or None, spec=spec)
+
+
 def ingest(store: Store, graph: SuiteGraph, datasets: Path, seed: int = 0) -> DatasetRef:
     """The graph from its original files, as ``retexo ingest planetoid|npz`` would, for ``seed``
-    (official split ``seed`` of an ``.npz`` that ships splits, named ``<graph>_split<seed>``)."""
+    (official split ``seed`` of an ``.npz`` that ships splits, named ``<graph>_split<seed>``), or
+    the stored dataset of that name."""
+    if not graph.path:
+        return find_dataset(store, graph.name)
     path = datasets / graph.path
     if path.is_dir():
         return ingest_planetoid(store, path, graph.name)
@@ -357,7 +403,8 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
             graph, model, variant = tasks.pop(0)
             name, cpu = f"{graph.name}_{model}_{variant.replace(' ', '_').replace('/', '')}", free.pop(0)
             log = folder / f"{name}.log"
-            command = [sys.executable, __file__, "--suite", "--graphs", graph.name, "--models", model,
+            which = ["--graph", graph.spec] if graph.spec is not None else ["--graphs", graph.name]
+            command = [sys.executable, __file__, "--suite", *which, "--models", model,
                        "--variants", variant, *(["--seeds", str(args.seeds)] if args.seeds is not None else []),
                        "--first-seed", str(args.first_seed),
                        "--datasets", str(args.datasets), "--store", str(store_path), "--device", args.device,
@@ -387,6 +434,9 @@ def main() -> None:
     parser.add_argument("--suite", action="store_true", help="the development suite instead of Cora alone")
     parser.add_argument("--datasets", type=Path, default=REPO.parent / "shared" / "datasets")
     parser.add_argument("--graphs", help="comma list: a part of the suite")
+    parser.add_argument("--graph", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a graph of your own (repeatable; implies --suite): a Planetoid folder, an .npz or a "
+                        ".zip holding one, or NAME alone for a dataset already in --store")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(ALL_VARIANTS)
                         + f" (default: all but {', '.join(EXTRA_VARIANTS)})")
@@ -418,12 +468,11 @@ def main() -> None:
         os.sched_setaffinity(0, {args.cpu})
         torch.set_num_threads(1)
     models, variants = args.models.split(","), args.variants.split(",")
-    if unknown := [v for v in variants if v not in ALL_VARIANTS]:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; expected some of: {', '.join(ALL_VARIANTS)}")
-    graphs = [g for g in SUITE if args.graphs is None or g.name in args.graphs.split(",")]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store_path = args.store or Path(tmp) / "store"
+        args.suite = args.suite or bool(args.graph)
+        graphs = chosen_graphs(args, models, variants, Store.open(store_path))
         if args.suite and args.jobs > 1:
             rows = run_jobs(args, graphs, models, variants, store_path, Path(tmp))
         else:
@@ -438,6 +487,29 @@ def main() -> None:
         print("\npublished (Retexo README, Cora; centralized model / Retexo): "
               + ", ".join(f"{m} {c:.3f} / {r:.3f}" for m, (c, r) in PUBLISHED.items()))
     print(f"\n{time.perf_counter() - started:.0f} s in all")
+
+
+def chosen_graphs(args: argparse.Namespace, models: list[str], variants: list[str], store: Store) -> list[SuiteGraph]:
+    """The suite's graphs that ``--graphs`` names (all of them without it or ``--graph``) and those of
+    ``--graph``; a bad name or file ends the script with one line and exit code 2."""
+    def fail(message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if unknown := [m for m in models if m not in MODELS]:
+        fail(f"--models: unknown {', '.join(unknown)}; expected some of: {', '.join(MODELS)}")
+    if unknown := [v for v in variants if v not in ALL_VARIANTS]:
+        fail(f"--variants: unknown {', '.join(unknown)}; expected some of: {', '.join(ALL_VARIANTS)}")
+    named = args.graphs.split(",") if args.graphs else []
+    if unknown := [n for n in named if n not in {g.name for g in SUITE}]:
+        fail(f"--graphs: unknown {', '.join(unknown)}; expected some of: {', '.join(g.name for g in SUITE)} "
+             "(a graph of your own: --graph [NAME=]PATH)")
+    try:
+        own = [user_graph(spec, store) for spec in args.graph]
+    except RetexoError as exc:
+        fail(str(exc))
+    suite = [g for g in SUITE if g.name in named or not (named or own)]
+    return suite + own
 
 
 def measure_all(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], variants: list[str],
