@@ -38,9 +38,12 @@ layout ``retexo ingest npz`` reads, or a ``.zip`` holding one. Where the file sh
 trains on split i (at most as many seeds as splits); otherwise on a stratified 60/20/20 split (seed 0)
 with training seeds 0, 1, ..; 3 seeds unless ``--seeds``. ``--graph NAME`` alone names a dataset
 already in ``--store`` (e.g. one that ``retexo ingest tables`` wrote): its own split, training seeds.
+``--partition metis|column``, ``--parts N`` and ``--partition-column COLUMN`` cut every graph
+otherwise than the suite's 4 random parts (e.g. by a site column, for the bytes your sites would send).
 
     .venv/bin/python benchmarks/accuracy.py --graph mine=/data/mine.npz [--models gcn] [--seeds 3]
-    .venv/bin/python benchmarks/accuracy.py --store retexo-store --graph sites --models gcn
+    .venv/bin/python benchmarks/accuracy.py --store retexo-store --graph sites --models gcn \
+        --partition column --partition-column site --parts 2
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+from pydantic import ValidationError
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -80,6 +84,7 @@ from runner.request import RunRequest, prepare_run  # noqa: E402
 
 MODELS = ("gcn", "sage", "gat")
 PARTS = 4
+SUITE_PARTS = PartitionOptions(method="random", parts=PARTS, seed=0)  # how the suite cuts every graph
 # variant -> retexo train options (besides model and seed); None: the plain PyG reference
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "reference": None,
@@ -232,9 +237,10 @@ def spread(values: list[float]) -> str:
 
 
 def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list[str], variants: list[str],
-            seeds: int, first_seed: int = 0, device: str = "cpu") -> list[dict[str, Any]]:
-    """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None), seed by seed
-    (seeds ``first_seed`` ..), everything trained on ``device``."""
+            seeds: int, first_seed: int = 0, device: str = "cpu",
+            parts: PartitionOptions = SUITE_PARTS) -> list[dict[str, Any]]:
+    """Every model and variant on ``graph`` (bundled Cora when ``datasets`` is None) cut into
+    ``parts``, seed by seed (seeds ``first_seed`` ..), everything trained on ``device``."""
     rows = []
     inputs = []  # per seed: (dataset, partition, plain PyG data; loaded only for the reference)
     loaded: dict[str, tuple[Any, ...]] = {}  # by dataset fingerprint: seeds that share a split load it once
@@ -242,7 +248,7 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
         dataset = (ingest(store, graph, datasets, seed) if datasets is not None
                    else ingest_planetoid(store, REPO / "data" / "cora", "cora"))
         if dataset.fp not in loaded:
-            partition = build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+            partition = build_partition(store, dataset, parts)
             loaded[dataset.fp] = (dataset, partition, load_plain(dataset) if "reference" in variants else None)
         inputs.append(loaded[dataset.fp])
     metric = "ROC-AUC" if inputs[0][0].num_classes == 2 else "accuracy"
@@ -370,21 +376,23 @@ def write_docs(rows: list[dict[str, Any]]) -> None:
 
 
 def prepare_suite(store: Store, graphs: list[SuiteGraph], datasets: Path, seeds: int | None,
-                  first_seed: int) -> dict[str, int]:
+                  first_seed: int, parts: PartitionOptions = SUITE_PARTS) -> dict[str, int]:
     """Ingest and partition every graph's datasets for the seeds (so that jobs side by side only
     read them); graph name -> its node count."""
     nodes = {}
     for graph in graphs:
         for seed in range(first_seed, first_seed + graph.seeds(seeds)):
-            dataset, _ = suite_partition(store, graph, datasets, seed)
+            dataset, _ = suite_partition(store, graph, datasets, seed, parts)
             nodes[graph.name] = dataset.num_nodes
     return nodes
 
 
-def suite_partition(store: Store, graph: SuiteGraph, datasets: Path, seed: int) -> tuple[DatasetRef, object]:
-    """The graph's dataset for ``seed`` and its 4 random parts (seed 0), from the store where they exist."""
+def suite_partition(store: Store, graph: SuiteGraph, datasets: Path, seed: int,
+                    parts: PartitionOptions = SUITE_PARTS) -> tuple[DatasetRef, object]:
+    """The graph's dataset for ``seed`` and its ``parts`` (the suite's: 4 random parts, seed 0), from
+    the store where they exist."""
     dataset = ingest(store, graph, datasets, seed)
-    return dataset, build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS, seed=0))
+    return dataset, build_partition(store, dataset, parts)
 
 
 def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[str], variants: list[str],
@@ -392,7 +400,8 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
     """Each (graph, model, variant) as a process of this script pinned to one CPU, ``args.jobs`` at a
     time, the largest graphs first (node count x seeds, GAT twice); their rows, merged (also written
     to ``args.out`` after every job, so that a stopped suite keeps what it measured)."""
-    nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed)
+    nodes = prepare_suite(Store.open(store_path), graphs, args.datasets, args.seeds, args.first_seed,
+                          args.partition_options)
     tasks = sorted(((g, m, v) for g in graphs for m in models for v in variants), reverse=True,
                    key=lambda t: nodes[t[0].name] * t[0].seeds(args.seeds) * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
@@ -408,6 +417,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                        "--variants", variant, *(["--seeds", str(args.seeds)] if args.seeds is not None else []),
                        "--first-seed", str(args.first_seed),
                        "--datasets", str(args.datasets), "--store", str(store_path), "--device", args.device,
+                       *partition_arguments(args.partition_options),
                        "--out", str(folder / f"{name}.json"), "--jobs", "1", "--cpu", str(cpu)]
             with log.open("w") as out:
                 running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
@@ -437,6 +447,10 @@ def main() -> None:
     parser.add_argument("--graph", action="append", default=[], metavar="[NAME=]PATH",
                         help="a graph of your own (repeatable; implies --suite): a Planetoid folder, an .npz or a "
                         ".zip holding one, or NAME alone for a dataset already in --store")
+    parser.add_argument("--partition", default="random", choices=["random", "metis", "column"],
+                        help="how every graph is cut (default: random, as the suite's tables)")
+    parser.add_argument("--parts", type=int, default=PARTS, help=f"number of parts (default {PARTS})")
+    parser.add_argument("--partition-column", help="--partition column: the node column naming each node's part")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(ALL_VARIANTS)
                         + f" (default: all but {', '.join(EXTRA_VARIANTS)})")
@@ -472,11 +486,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store_path = args.store or Path(tmp) / "store"
         args.suite = args.suite or bool(args.graph)
+        args.partition_options = partition_of(args)
         graphs = chosen_graphs(args, models, variants, Store.open(store_path))
-        if args.suite and args.jobs > 1:
-            rows = run_jobs(args, graphs, models, variants, store_path, Path(tmp))
-        else:
-            rows = measure_all(args, graphs, models, variants, Store.open(store_path))
+        try:
+            if args.suite and args.jobs > 1:
+                rows = run_jobs(args, graphs, models, variants, store_path, Path(tmp))
+            else:
+                rows = measure_all(args, graphs, models, variants, Store.open(store_path))
+        except RetexoError as exc:  # e.g. a partition column the graph lacks
+            fail(str(exc))
     if args.cpu is not None:  # a job of run_jobs: its rows are in --out
         return
     rows = in_suite_order(rows)
@@ -489,13 +507,31 @@ def main() -> None:
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 
+def fail(message: str) -> NoReturn:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def partition_of(args: argparse.Namespace) -> PartitionOptions:
+    """How ``--partition``, ``--parts`` and ``--partition-column`` cut every graph (seed 0)."""
+    if (args.partition == "column") != (args.partition_column is not None):
+        fail("--partition column and --partition-column COLUMN go together")
+    try:
+        return PartitionOptions(method=args.partition, parts=args.parts, seed=0, column=args.partition_column)
+    except ValidationError as exc:
+        fail(f"--parts {args.parts}: {exc.errors()[0]['msg']}")
+
+
+def partition_arguments(parts: PartitionOptions) -> list[str]:
+    """The options of this script that give ``parts`` (for a job of ``run_jobs``)."""
+    column = ["--partition-column", parts.column] if parts.column is not None else []
+    return ["--partition", parts.method, "--parts", str(parts.parts), *column]
+
+
 def chosen_graphs(args: argparse.Namespace, models: list[str], variants: list[str], store: Store) -> list[SuiteGraph]:
     """The suite's graphs that ``--graphs`` names (all of them without it or ``--graph``) and those of
-    ``--graph``; a bad name or file ends the script with one line and exit code 2."""
-    def fail(message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
+    ``--graph``; a bad name or file (or model or variant) ends the script with one line and exit code 2."""
     if unknown := [m for m in models if m not in MODELS]:
         fail(f"--models: unknown {', '.join(unknown)}; expected some of: {', '.join(MODELS)}")
     if unknown := [v for v in variants if v not in ALL_VARIANTS]:
@@ -518,9 +554,10 @@ def measure_all(args: argparse.Namespace, graphs: list[SuiteGraph], models: list
     rows = []
     for graph in graphs if args.suite else [SUITE[0]]:
         seeds = graph.seeds(args.seeds)
-        print(f"{graph.name}: {seeds} seeds from {args.first_seed}, random into {PARTS} parts", flush=True)
+        parts = args.partition_options
+        print(f"{graph.name}: {seeds} seeds from {args.first_seed}, {parts.method} into {parts.parts} parts", flush=True)
         rows += measure(store, graph, args.datasets if args.suite else None, models, variants, seeds,
-                        args.first_seed, args.device)
+                        args.first_seed, args.device, parts)
         if args.out:  # after every graph, so that a stopped suite keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
     return rows

@@ -1,5 +1,6 @@
 """``benchmarks/accuracy.py --graph``: the suite's comparison on a graph of one's own, from an ``.npz``
-(its official splits, one per seed) or from a dataset already in the store, and one-line errors."""
+(its official splits, one per seed) or from a dataset already in the store, cut as asked, and one-line
+errors."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     drawn = write_npz(tmp_path / "no_split.npz", gnn_benchmark(n=60))
     out = tmp_path / "rows.json"
     result = accuracy("--graph", f"mine={split}", "--graph", str(drawn), "--graph", "ring", "--models", "gcn",
-                      "--variants", "reference,centralized", "--seeds", "3", "--jobs", "1", "--store", str(store),
-                      "--out", str(out))
+                      "--variants", "reference,centralized", "--seeds", "3", "--partition", "metis", "--parts", "2",
+                      "--jobs", "1", "--store", str(store), "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())
     assert {(r["graph"], r["variant"]) for r in rows} == {(g, v) for g in ("mine", "no_split", "ring")
@@ -64,6 +65,16 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     assert stored == ["name=mine", "name=mine_split1", "name=no_split", "name=ring"]
     for graph in ("mine", "no_split", "ring"):
         assert f"| {graph} | gcn | centralized − reference " in result.stdout
+    partitions = [json.loads(m.read_text()) for m in (store / "partitions").glob("*/*/manifest.json")]
+    assert len(partitions) == 4 and all((m["method"], m["parts"]) == ("metis", 2) for m in partitions)
+
+
+def test_a_partition_the_dataset_cannot_have_is_one_line_and_exit_code_2(tmp_path: Path):
+    store = tmp_path / "store"
+    ingest_ring_tables(store, tmp_path / "tables")
+    result = accuracy("--store", str(store), "--graph", "ring", "--partition", "column", "--partition-column", "site")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: dataset ring has no node column 'site' (columns: node_id, label, split)"), result.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -72,6 +83,8 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     (["--graph", "x=README.md"], "README.md: --graph: expected a Planetoid folder, an .npz file or a .zip holding one"),
     (["--graph", str(REPO / "data" / "cora")], "'cora' is a suite graph's name; give yours another (NAME=PATH)"),
     (["--graphs", "cora,nope"], "--graphs: unknown nope; expected some of: cora, citeseer"),
+    (["--partition", "column"], "--partition column and --partition-column COLUMN go together"),
+    (["--parts", "0"], "--parts 0: Input should be greater than or equal to 1"),
 ])
 def test_a_bad_graph_is_one_line_and_exit_code_2(args: list[str], message: str):
     result = accuracy(*args)
