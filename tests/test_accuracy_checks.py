@@ -126,3 +126,24 @@ def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, again
     table = paired_table(read_runs(*(ROWS / f"{name}.jsonl" for name in runs)),
                          read_runs(*(ROWS / f"{name}.jsonl" for name in against)), 0.0, against_variant)
     assert block(REPO / "docs" / "accuracy.md", "paired", f"<!-- {mark}: {{}} -->") == table
+
+
+def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
+    """docs/accuracy.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
+    and MB of ``parts_random_gcn.json`` and ``parts_metis_gcn.json``."""
+    from accuracy import megabytes, paired_gap, spread
+
+    text = (REPO / "docs" / "accuracy.md").read_text()
+    for cut, label in (("random", "random"), ("metis", "METIS")):
+        rows = {(r["graph"], r["variant"]): r for r in json.loads(
+            (REPO / "benchmarks" / "suite_rows" / f"parts_{cut}_gcn.json").read_text())}
+        for graph in ("cora", "citeseer", "chameleon_filtered"):
+            cells = []
+            for variant in ("retexo", "retexo avg/5 int8"):
+                row = rows[(graph, variant)]
+                mb = f"{float(megabytes(row).replace(',', '')):,.0f}"
+                cells.append(f"{spread(row['test'])} ({sum(row['val']) / len(row['val']):.3f}), {mb} MB")
+            gap, error = paired_gap(rows[(graph, "retexo avg/5 int8")]["test"], rows[(graph, "retexo")]["test"])
+            verdict = "ok" if gap >= -1.5 else "FAILS"
+            line = f"| {graph} | {label} | {cells[0]} | {cells[1]} | {gap:+.1f} ± {error:.1f} {verdict} |"
+            assert line.replace("-", "−") in text, line
