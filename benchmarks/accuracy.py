@@ -482,12 +482,16 @@ def main() -> None:
         os.sched_setaffinity(0, {args.cpu})
         torch.set_num_threads(1)
     models, variants = args.models.split(","), args.variants.split(",")
+    if unknown := [m for m in models if m not in MODELS]:
+        fail(f"--models: unknown {', '.join(unknown)}; expected some of: {', '.join(MODELS)}")
+    if unknown := [v for v in variants if v not in ALL_VARIANTS]:
+        fail(f"--variants: unknown {', '.join(unknown)}; expected some of: {', '.join(ALL_VARIANTS)}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="retexo-accuracy-") as tmp:
         store_path = args.store or Path(tmp) / "store"
         args.suite = args.suite or bool(args.graph)
         args.partition_options = partition_of(args)
-        graphs = chosen_graphs(args, models, variants, Store.open(store_path))
+        graphs = chosen_graphs(args, Store.open(store_path))
         try:
             if args.suite and args.jobs > 1:
                 rows = run_jobs(args, graphs, models, variants, store_path, Path(tmp))
@@ -529,13 +533,9 @@ def partition_arguments(parts: PartitionOptions) -> list[str]:
     return ["--partition", parts.method, "--parts", str(parts.parts), *column]
 
 
-def chosen_graphs(args: argparse.Namespace, models: list[str], variants: list[str], store: Store) -> list[SuiteGraph]:
+def chosen_graphs(args: argparse.Namespace, store: Store) -> list[SuiteGraph]:
     """The suite's graphs that ``--graphs`` names (all of them without it or ``--graph``) and those of
-    ``--graph``; a bad name or file (or model or variant) ends the script with one line and exit code 2."""
-    if unknown := [m for m in models if m not in MODELS]:
-        fail(f"--models: unknown {', '.join(unknown)}; expected some of: {', '.join(MODELS)}")
-    if unknown := [v for v in variants if v not in ALL_VARIANTS]:
-        fail(f"--variants: unknown {', '.join(unknown)}; expected some of: {', '.join(ALL_VARIANTS)}")
+    ``--graph``; a bad name or file ends the script with one line and exit code 2."""
     named = args.graphs.split(",") if args.graphs else []
     if unknown := [n for n in named if n not in {g.name for g in SUITE}]:
         fail(f"--graphs: unknown {', '.join(unknown)}; expected some of: {', '.join(g.name for g in SUITE)} "

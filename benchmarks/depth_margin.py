@@ -56,7 +56,6 @@ from graphstore.layout import Store  # noqa: E402
 from graphstore.lookup import DatasetRef  # noqa: E402
 from graphstore.manifests import RunManifest  # noqa: E402
 from graphstore.partition.build import build_partition  # noqa: E402
-from graphstore.partition.methods import PartitionOptions  # noqa: E402
 from graphstore.parquet_io import read_table  # noqa: E402
 from graphstore.runs import PREDICTIONS  # noqa: E402
 from runner.depth import depth_choice  # noqa: E402
@@ -124,7 +123,7 @@ def inputs(store: Store, graphs: list[accuracy.SuiteGraph], datasets: Path, seed
     for graph in graphs:
         if holdout:
             drawn = holdout_split.resplit(store, datasets, graph.name, folder)
-            parts = build_partition(store, drawn, PartitionOptions(method="random", parts=accuracy.PARTS, seed=0))
+            parts = build_partition(store, drawn, accuracy.SUITE_PARTS)
             out.update({(graph.name, seed): (drawn, parts) for seed in range(seeds or 3)})
         else:
             out.update({(graph.name, seed): accuracy.suite_partition(store, graph, datasets, seed)

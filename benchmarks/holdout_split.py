@@ -35,15 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from accuracy import (ALL_VARIANTS, MODELS, PARTS, REPO, SUITE, in_suite_order, merged, print_tables, reference_once,
-                      train_once)
+from accuracy import (ALL_VARIANTS, MODELS, REPO, SUITE, SUITE_PARTS, in_suite_order, merged, print_tables,
+                      reference_once, train_once)
 from graphstore.ingest import planetoid
 from graphstore.ingest.api import ingest_npz
 from graphstore.ingest.splits import SplitFractions
 from graphstore.layout import Store
 from graphstore.lookup import DatasetRef
 from graphstore.partition.build import build_partition
-from graphstore.partition.methods import PartitionOptions
 from pyg_reference import load_plain
 from runner.launcher_watch import die_with_parent_thread
 
@@ -114,8 +113,7 @@ def main() -> None:
         inputs, metric = {}, {}
         for graph in graphs:
             dataset = resplit(store, args.datasets, graph, Path(tmp))
-            inputs[graph] = (dataset, build_partition(store, dataset, PartitionOptions(method="random", parts=PARTS,
-                                                                                         seed=0)))
+            inputs[graph] = (dataset, build_partition(store, dataset, SUITE_PARTS))
             metric[graph] = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
         jobs = [(g, m, v, s) for s in range(args.seeds) for m in models for g in graphs for v in variants]
         runs: list[dict[str, Any]] = []

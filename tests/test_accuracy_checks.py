@@ -4,6 +4,7 @@ today's defaults rebuilt from its kept runs (``benchmarks/todays_defaults.py``).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -131,7 +132,7 @@ def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, again
 def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
     """docs/accuracy.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
     and MB of ``parts_random_gcn.json`` and ``parts_metis_gcn.json``."""
-    from accuracy import megabytes, paired_gap, spread
+    from accuracy import paired_gap, spread
 
     text = (REPO / "docs" / "accuracy.md").read_text()
     for cut, label in (("random", "random"), ("metis", "METIS")):
@@ -141,8 +142,7 @@ def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
             cells = []
             for variant in ("retexo", "retexo avg/5 int8"):
                 row = rows[(graph, variant)]
-                mb = f"{float(megabytes(row).replace(',', '')):,.0f}"
-                cells.append(f"{spread(row['test'])} ({sum(row['val']) / len(row['val']):.3f}), {mb} MB")
+                cells.append(f"{spread(row['test'])} ({statistics.mean(row['val']):.3f}), {row['mb']:,.0f} MB")
             gap, error = paired_gap(rows[(graph, "retexo avg/5 int8")]["test"], rows[(graph, "retexo")]["test"])
             verdict = "ok" if gap >= -1.5 else "FAILS"
             line = f"| {graph} | {label} | {cells[0]} | {cells[1]} | {gap:+.1f} ± {error:.1f} {verdict} |"
