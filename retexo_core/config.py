@@ -147,6 +147,11 @@ class TrainConfig(BaseModel):
                                           strategies=("retexo",))
     sync_every: int = option(1, "retexo --sync avg: rounds between averagings.", scope="layer",
                              strategies=("retexo",), ge=1)
+    drift_correction: bool = option(
+        False, "retexo --sync avg: correct each rank's local steps by the gap between the global and its own "
+        "gradient at the last averaged model (SCAFFOLD's control variates, from full local gradients), for parts "
+        "whose labels differ (sites, METIS). One more all-reduce of the parameters (grad_sync) per averaging and "
+        "one at the start. See docs/accuracy.md, parts cut by METIS.", scope="layer", strategies=("retexo",))
     compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
                                    "int8.", scope="layer")
     skip_zero_grads: bool = option(False, "Gradient sync: send each all-reduce chunk as a bitmap of its non-zero "
@@ -249,6 +254,8 @@ class TrainConfig(BaseModel):
         if self.secure_agg and (self.compress != "none" or self.skip_zero_grads):
             raise ValueError("secure_agg sums masked fixed-point values: use it with compress none and without "
                              "skip_zero_grads")
+        if self.drift_correction and self.sync != "avg":
+            raise ValueError("drift_correction corrects the local steps of model averaging: use it with sync avg")
         if self.tolerate_failures and self.strategy != "tma":
             raise ValueError("tolerate_failures is supported by the tma strategy only")
         rounds = self.rounds if isinstance(self.rounds, list) else [self.rounds]

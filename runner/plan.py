@@ -168,12 +168,12 @@ def layer_state(plan: RunPlan, layer: int) -> LayerState:
 
 
 def run_label(config: TrainConfig) -> str:
-    """A short human name for plots and tables, e.g. ``retexo(avg/5,int8)`` or ``bns(0.1)``."""
+    """A short human name for plots and tables, e.g. ``retexo(avg/5,int8)``, ``retexo(avg/5+dc)`` (drift correction) or ``bns(0.1)``."""
     if config.strategy == "standard" and config.bns_rate < 1:
         return f"bns({config.bns_rate:g})"
     extras = []
     if config.strategy == "retexo" and config.sync == "avg":
-        extras.append(f"avg/{config.sync_every}")
+        extras.append(f"avg/{config.sync_every}" + ("+dc" if config.drift_correction else ""))
     if config.compress != "none":
         extras.append(config.compress)
     if config.strategy_spec.layerwise == "optional" and config.layerwise:

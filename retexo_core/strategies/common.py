@@ -178,6 +178,40 @@ def average_parameters(comm: Communicator, module: nn.Module, weight: float, kin
             offset += p.numel()
 
 
+class DriftCorrection:
+    """SCAFFOLD-style correction of local steps under model averaging (``drift_correction``).
+
+    At the averaged model x, ``refresh`` takes this rank's gradient g_i(x) of ``local_loss`` (its
+    train rows' mean loss) and one all-reduce (kind ``grad_sync``) of ``share * g_i(x)`` gives the
+    global gradient g(x), ``share`` being this rank's fraction of the train rows. ``apply`` then adds
+    g(x) - g_i(x) to every local step's gradient, so that a rank whose rows hold mostly some classes
+    steps along the whole graph's direction rather than its own. Only the parameters that train
+    are corrected; the correction is flat, in their order."""
+
+    def __init__(self, comm: Communicator, module: nn.Module, share: float, local_loss: Callable[[], torch.Tensor]):
+        self.comm, self.share, self.local_loss = comm, share, local_loss
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.delta: torch.Tensor | None = None  # (sum of the parameters' sizes,) g(x) - g_i(x)
+
+    def refresh(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.local_loss().backward()
+        local = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        self.delta = self.comm.all_reduce(local * self.share, "grad_sync") - local
+        for p in self.params:
+            p.grad = None
+
+    def apply(self) -> None:
+        assert self.delta is not None, "refresh before the first local step"
+        offset = 0
+        for p in self.params:
+            count = p.numel()
+            if p.grad is not None:
+                p.grad.add_(self.delta[offset:offset + count].view(p.shape))
+            offset += count
+
+
 AUC_BINS = 256  # histogram bins of the positive-class logit margin, for the validation ROC-AUC
 AUC_MARGIN = 8.0  # margins (logit of class 1 minus logit of class 0) are clipped to [-8, 8] (bins 1/16 wide)
 

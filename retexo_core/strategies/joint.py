@@ -41,7 +41,7 @@ from retexo_core.exchange import exchange_rows, stack_rows
 from retexo_core.models import Aggregated, Block, Features, LayerWithHead, seeded
 from retexo_core.sparse import SparseMatrix, spmm
 from retexo_core.strategies.common import (
-    BestState, WorkerContext, average_parameters, split_stats, sync_gradients, validate,
+    BestState, DriftCorrection, WorkerContext, average_parameters, split_stats, sync_gradients, validate,
 )
 
 if TYPE_CHECKING:
@@ -196,18 +196,29 @@ def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, f
     share = ctx.local_train / max(ctx.train_count, 1)
     rounds, total = cfg.last_two_rounds, first_round + cfg.last_two_rounds
     every = 1 if cfg.sync == "grad" else cfg.eval_every  # validation passes: see the module docstring
+
+    def loss() -> torch.Tensor:
+        logits = pair.logits(inputs, train_adj, train_rows, gen)
+        return F.cross_entropy(logits, ctx.data.y[train_rows], reduction="sum") / divisor
+
+    drift = DriftCorrection(comm, pair, share, loss) if cfg.drift_correction else None
     for round_ in range(rounds):
         comm.epoch = first_round + round_
         pair.train()
+        if drift is not None and drift.delta is None:
+            drift.refresh()
         optimizer.zero_grad()
-        logits = pair.logits(inputs, train_adj, train_rows, gen)
-        (F.cross_entropy(logits, ctx.data.y[train_rows], reduction="sum") / divisor).backward()
+        loss().backward()
         if cfg.sync == "grad":
             sync_gradients(comm, pair)
+        elif drift is not None:
+            drift.apply()
         optimizer.step()
         last_round = round_ == rounds - 1
         if cfg.sync == "avg" and ((round_ + 1) % cfg.sync_every == 0 or last_round):
             average_parameters(comm, pair, share)
+            if drift is not None:
+                drift.delta = None
         if (round_ + 1) % every == 0 or last_round:
             validate(ctx, pair, layer, first_round + round_, total,
                      lambda: pair.logits(inputs, eval_adj, eval_rows), best, rows=eval_rows)

@@ -49,6 +49,7 @@ from retexo_core.sparse import SparseMatrix
 from retexo_core.strategies.common import (
     adam,
     BestState,
+    DriftCorrection,
     WorkerContext,
     average_parameters,
     paired_counts,
@@ -315,6 +316,8 @@ class LayerFit:
         self.share = ctx.local_train / max(ctx.train_count, 1)
         self.steps = BatchPlan(ctx, cfg.batch_size)
         self.train_rows = ctx.train_rows
+        self.drift = (DriftCorrection(ctx.comm, module, self.share, lambda: self.loss(None, max(ctx.local_train, 1)))
+                      if cfg.drift_correction else None)
         self.trained = 0
         self.stopped = False  # early stopping ended it
         self.seconds = 0.0  # spent in the round loop (validation included)
@@ -333,11 +336,15 @@ class LayerFit:
                 self.trained = round_ + 1
                 comm.epoch = round_
                 module.train()
+                if self.drift is not None and self.drift.delta is None:
+                    self.drift.refresh()  # at the start, and at the averaged model before its first local step
                 for batch, divisor in self.steps.round(self.batches, ctx.device):
                     self.optimizer.zero_grad()
                     self.loss(batch, divisor).backward()
                     if cfg.sync == "grad":
                         sync_gradients(comm, module)
+                    elif self.drift is not None:
+                        self.drift.apply()
                     self.optimizer.step()
                 last = round_ == self.rounds - 1
                 pause = round_ == until - 1
@@ -346,6 +353,8 @@ class LayerFit:
                     continue
                 if cfg.sync == "avg":
                     average_parameters(comm, module, self.share)
+                    if self.drift is not None:
+                        self.drift.delta = None  # refreshed only if another local step follows
                 if (round_ + 1) % cfg.eval_every and not last and not pause:
                     continue
                 self.validate(round_)
