@@ -147,3 +147,28 @@ def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
             verdict = "ok" if gap >= -1.5 else "FAILS"
             line = f"| {graph} | {label} | {cells[0]} | {cells[1]} | {gap:+.1f} ± {error:.1f} {verdict} |"
             assert line.replace("-", "−") in text, line
+
+
+def test_the_docs_table_of_drift_correction_is_that_of_its_committed_runs():
+    """docs/accuracy.md's table "Drift correction closes it": ``retexo`` of ``parts_{cut}_gcn.json``,
+    both averaging variants of ``parts_{cut}_dc_gcn.json``, and the corrected variant's paired test
+    gap to ``retexo`` (its validation gap in brackets)."""
+    from accuracy import paired_gap, spread
+
+    def cell(row: dict) -> str:
+        return f"{spread(row['test'])} ({statistics.mean(row['val']):.3f}), {row['mb']:,.0f} MB"
+
+    text = (REPO / "docs" / "accuracy.md").read_text()
+    rows_dir = REPO / "benchmarks" / "suite_rows"
+    for cut, label in (("random", "random"), ("metis", "METIS")):
+        rows = {(r["graph"], r["variant"]): r for name in (f"parts_{cut}_gcn.json", f"parts_{cut}_dc_gcn.json")
+                for r in json.loads((rows_dir / name).read_text())}  # the second file's avg/5 int8 rows
+        for graph in ("cora", "citeseer", "chameleon_filtered"):
+            plain, averaged = rows[(graph, "retexo")], rows[(graph, "retexo avg/5 int8")]
+            corrected = rows[(graph, "retexo avg/5 int8 --drift-correction")]
+            gap, error = paired_gap(corrected["test"], plain["test"])
+            val_gap, _ = paired_gap(corrected["val"], plain["val"])
+            verdict = "ok" if gap >= -1.5 else "FAILS"
+            line = (f"| {graph} | {label} | {cell(plain)} | {cell(averaged)} | {cell(corrected)} | "
+                    f"{gap:+.1f} ± {error:.1f} {verdict} ({val_gap:+.1f}) |")
+            assert line.replace("-", "−") in text, line
