@@ -193,6 +193,16 @@ class DriftCorrection:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.delta: torch.Tensor | None = None  # (sum of the parameters' sizes,) g(x) - g_i(x)
 
+    def before_round(self) -> None:
+        """Refresh the correction if the model was averaged since the last refresh (or at the start)."""
+        if self.delta is None:
+            self.refresh()
+
+    def averaged(self) -> None:
+        """The parameters were just averaged: the next round refreshes the correction first, so
+        that an averaging after the last round costs nothing more."""
+        self.delta = None
+
     def refresh(self) -> None:
         for p in self.params:
             p.grad = None

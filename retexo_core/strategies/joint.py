@@ -9,7 +9,7 @@ aggregated rows of its boundary nodes once (kind ``halo_aggregates``: Â·Z, and
 block reads the node's own row); then each round a rank computes layer L-1 at its owned and halo
 rows with the shared parameters and layer L over its owned rows, which is what the whole graph
 would compute. Gradients are summed every round (``sync=grad``) or the models averaged every
-``sync_every`` rounds (``sync=avg``), as in the layers' own training.
+``sync_every`` rounds (``sync=avg``, with ``drift_correction`` too), as in the layers' own training.
 
 The pair starts from the greedy parameters and trains ``last_two_rounds`` rounds with each layer's
 chosen recipe (dropout after aggregation, learning rate, weight decay); the best round on
@@ -205,8 +205,8 @@ def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, f
     for round_ in range(rounds):
         comm.epoch = first_round + round_
         pair.train()
-        if drift is not None and drift.delta is None:
-            drift.refresh()
+        if drift is not None:
+            drift.before_round()
         optimizer.zero_grad()
         loss().backward()
         if cfg.sync == "grad":
@@ -218,7 +218,7 @@ def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, f
         if cfg.sync == "avg" and ((round_ + 1) % cfg.sync_every == 0 or last_round):
             average_parameters(comm, pair, share)
             if drift is not None:
-                drift.delta = None
+                drift.averaged()
         if (round_ + 1) % every == 0 or last_round:
             validate(ctx, pair, layer, first_round + round_, total,
                      lambda: pair.logits(inputs, eval_adj, eval_rows), best, rows=eval_rows)

@@ -9,7 +9,7 @@ of training of ``block_l + head`` (the last layer: ``block_L``, which starts as 
 the node's own row where it has a skip connection, ``models.start_from_head``) on the train nodes
 (dropout on the aggregates), with gradient sync
 every round (``sync=grad``) or local steps with model averaging every ``sync_every`` rounds
-(``sync=avg``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
+(``sync=avg``; ``drift_correction``: ``common.DriftCorrection``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
 best validation accuracy are kept; (5) the owned nodes' outputs in every view become the next
 layer's inputs (and, for the last layer, the predictions). No graph work happens inside the round
 loop except GAT's attention.
@@ -336,8 +336,8 @@ class LayerFit:
                 self.trained = round_ + 1
                 comm.epoch = round_
                 module.train()
-                if self.drift is not None and self.drift.delta is None:
-                    self.drift.refresh()  # at the start, and at the averaged model before its first local step
+                if self.drift is not None:
+                    self.drift.before_round()
                 for batch, divisor in self.steps.round(self.batches, ctx.device):
                     self.optimizer.zero_grad()
                     self.loss(batch, divisor).backward()
@@ -354,7 +354,7 @@ class LayerFit:
                 if cfg.sync == "avg":
                     average_parameters(comm, module, self.share)
                     if self.drift is not None:
-                        self.drift.delta = None  # refreshed only if another local step follows
+                        self.drift.averaged()
                 if (round_ + 1) % cfg.eval_every and not last and not pause:
                     continue
                 self.validate(round_)
