@@ -153,7 +153,9 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
     """docs/accuracy.md's tables under "Drift correction closes it". GCN: ``retexo`` of
     ``parts_{cut}_gcn.json``, both averaging variants of ``parts_{cut}_dc_gcn.json`` and the
     corrected variant's paired test gap to ``retexo``; SAGE and GAT: the three variants of
-    ``parts_metis_dc_sage_gat.json`` and both averaging variants' gaps. Validation gaps in brackets."""
+    ``parts_metis_dc_sage_gat.json`` and both averaging variants' gaps (validation gaps in brackets);
+    SAGE and GAT on random parts: both averaging variants of ``parts_random_dc_sage_gat.json`` and the
+    corrected one's paired test and validation gaps to the plain one."""
     from accuracy import paired_gap, spread
 
     def cell(row: dict) -> str:
@@ -181,4 +183,12 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
             plain, averaged, corrected = (rows[(graph, model, v)] for v in variants)
             line = (f"| {graph} | {model} | {cell(plain)} | {cell(averaged)} | {cell(corrected)} | "
                     f"{check(averaged, plain)} | {check(corrected, plain)} |")
+            assert line.replace("-", "−") in text, line
+    rows = read("parts_random_dc_sage_gat.json")
+    for model in ("sage", "gat"):
+        for graph in ("cora", "citeseer", "chameleon_filtered"):
+            averaged, corrected = (rows[(graph, model, v)] for v in variants[1:])
+            (gap, error), (val_gap, val_error) = (paired_gap(corrected[s], averaged[s]) for s in ("test", "val"))
+            line = (f"| {graph} | {model} | {cell(averaged)} | {cell(corrected)} | {gap:+.1f} ± {error:.1f} | "
+                    f"{val_gap:+.1f} ± {val_error:.1f} |")
             assert line.replace("-", "−") in text, line
