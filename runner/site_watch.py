@@ -99,10 +99,12 @@ class SiteWatch:
         return ", ".join(site_name(j) for j in gone) or None
 
     def lost(self, failure: BaseException) -> SiteLost | None:
-        """After a failed collective: ``SiteLost`` naming the sites silent for three beats (waiting
-        up to four for it to show), or None when every site is still beating."""
+        """After a failed collective: ``SiteLost`` naming the sites silent for three beats, or None
+        when every site is still beating. It waits up to seven beats for that silence to show: a
+        peer counts as heard when its count is *seen* to move, and on a loaded machine this watch
+        may see a dead peer's last beats a few seconds late (four beats were once too few)."""
         window = 3 * BEAT_S
-        deadline = time.monotonic() + window + BEAT_S
+        deadline = time.monotonic() + 2 * window + BEAT_S
         while time.monotonic() < deadline:
             silent = self.silent(window)
             if silent:
