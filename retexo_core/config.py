@@ -151,7 +151,8 @@ class TrainConfig(BaseModel):
         False, "retexo --sync avg: correct each rank's local steps by the gap between the global and its own "
         "gradient at the last averaged model (SCAFFOLD's control variates, from full local gradients), for parts "
         "whose labels differ (sites, METIS). One more all-reduce of the parameters (grad_sync) per averaging and "
-        "one at the start. See docs/training.md, drift correction for model averaging.", scope="layer", strategies=("retexo",))
+        "one at the start. See docs/training.md, drift correction for model averaging.", scope="layer",
+        strategies=("retexo",))
     compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
                                    "int8.", scope="layer")
     skip_zero_grads: bool = option(False, "Gradient sync: send each all-reduce chunk as a bitmap of its non-zero "

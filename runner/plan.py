@@ -168,7 +168,8 @@ def layer_state(plan: RunPlan, layer: int) -> LayerState:
 
 
 def run_label(config: TrainConfig) -> str:
-    """A short human name for plots and tables, e.g. ``retexo(avg/5,int8)``, ``retexo(avg/5+dc)`` (drift correction) or ``bns(0.1)``."""
+    """A short human name for plots and tables, e.g. ``retexo(avg/5,int8)``, ``retexo(avg/5+dc)``
+    (drift correction) or ``bns(0.1)``."""
     if config.strategy == "standard" and config.bns_rate < 1:
         return f"bns({config.bns_rate:g})"
     extras = []

@@ -129,20 +129,24 @@ def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, again
     assert block(REPO / "docs" / "accuracy.md", "paired", f"<!-- {mark}: {{}} -->") == table
 
 
+def row_cell(row: dict) -> str:
+    """A docs table's cell for a suite row: test mean ± std (validation mean), MB sent."""
+    from accuracy import spread
+
+    return f"{spread(row['test'])} ({statistics.mean(row['val']):.3f}), {row['mb']:,.0f} MB"
+
+
 def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
     """docs/accuracy.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
     and MB of ``parts_random_gcn.json`` and ``parts_metis_gcn.json``."""
-    from accuracy import paired_gap, spread
+    from accuracy import paired_gap
 
     text = (REPO / "docs" / "accuracy.md").read_text()
     for cut, label in (("random", "random"), ("metis", "METIS")):
         rows = {(r["graph"], r["variant"]): r for r in json.loads(
             (REPO / "benchmarks" / "suite_rows" / f"parts_{cut}_gcn.json").read_text())}
         for graph in ("cora", "citeseer", "chameleon_filtered"):
-            cells = []
-            for variant in ("retexo", "retexo avg/5 int8"):
-                row = rows[(graph, variant)]
-                cells.append(f"{spread(row['test'])} ({statistics.mean(row['val']):.3f}), {row['mb']:,.0f} MB")
+            cells = [row_cell(rows[(graph, variant)]) for variant in ("retexo", "retexo avg/5 int8")]
             gap, error = paired_gap(rows[(graph, "retexo avg/5 int8")]["test"], rows[(graph, "retexo")]["test"])
             verdict = "ok" if gap >= -1.5 else "FAILS"
             line = f"| {graph} | {label} | {cells[0]} | {cells[1]} | {gap:+.1f} ± {error:.1f} {verdict} |"
@@ -156,14 +160,11 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
     ``parts_metis_dc_sage_gat.json`` and both averaging variants' gaps (validation gaps in brackets);
     SAGE and GAT on random parts: both averaging variants of ``parts_random_dc_sage_gat.json`` and the
     corrected one's paired test and validation gaps to the plain one."""
-    from accuracy import paired_gap, spread
-
-    def cell(row: dict) -> str:
-        return f"{spread(row['test'])} ({statistics.mean(row['val']):.3f}), {row['mb']:,.0f} MB"
+    from accuracy import paired_gap
 
     def check(row: dict, against: dict) -> str:
-        gap, error = paired_gap(row["test"], against["test"])
-        return f"{gap:+.1f} ± {error:.1f} {'ok' if gap >= -1.5 else 'FAILS'} ({paired_gap(row['val'], against['val'])[0]:+.1f})"
+        (gap, error), (val_gap, _) = (paired_gap(row[s], against[s]) for s in ("test", "val"))
+        return f"{gap:+.1f} ± {error:.1f} {'ok' if gap >= -1.5 else 'FAILS'} ({val_gap:+.1f})"
 
     def read(*names: str) -> dict:  # a later file's rows replace an earlier one's (avg/5 int8, GCN)
         return {(r["graph"], r["model"], r["variant"]): r for name in names
@@ -175,13 +176,14 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
         rows = read(f"parts_{cut}_gcn.json", f"parts_{cut}_dc_gcn.json")
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             plain, averaged, corrected = (rows[(graph, "gcn", v)] for v in variants)
-            line = f"| {graph} | {label} | {cell(plain)} | {cell(averaged)} | {cell(corrected)} | {check(corrected, plain)} |"
+            line = (f"| {graph} | {label} | {row_cell(plain)} | {row_cell(averaged)} | {row_cell(corrected)} | "
+                    f"{check(corrected, plain)} |")
             assert line.replace("-", "−") in text, line
     rows = read("parts_metis_dc_sage_gat.json")
     for model in ("sage", "gat"):
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             plain, averaged, corrected = (rows[(graph, model, v)] for v in variants)
-            line = (f"| {graph} | {model} | {cell(plain)} | {cell(averaged)} | {cell(corrected)} | "
+            line = (f"| {graph} | {model} | {row_cell(plain)} | {row_cell(averaged)} | {row_cell(corrected)} | "
                     f"{check(averaged, plain)} | {check(corrected, plain)} |")
             assert line.replace("-", "−") in text, line
     rows = read("parts_random_dc_sage_gat.json")
@@ -189,6 +191,6 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             averaged, corrected = (rows[(graph, model, v)] for v in variants[1:])
             (gap, error), (val_gap, val_error) = (paired_gap(corrected[s], averaged[s]) for s in ("test", "val"))
-            line = (f"| {graph} | {model} | {cell(averaged)} | {cell(corrected)} | {gap:+.1f} ± {error:.1f} | "
+            line = (f"| {graph} | {model} | {row_cell(averaged)} | {row_cell(corrected)} | {gap:+.1f} ± {error:.1f} | "
                     f"{val_gap:+.1f} ± {val_error:.1f} |")
             assert line.replace("-", "−") in text, line

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -151,15 +151,14 @@ def adam(module: nn.Module, lr: float, weight_decay: float, decayed: nn.Module |
     return torch.optim.Adam([g for g in groups if g["params"]], lr=lr, fused=True)
 
 
-def flat_grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in module.parameters()
-    ])
+def flat_grads(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """(sum of the parameters' sizes,) their gradients in order, zeros where a parameter has none."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
 def sync_gradients(comm: Communicator, module: nn.Module) -> None:
     """Sum gradients over ranks (one ring all-reduce of all parameters, kind ``grad_sync``)."""
-    total = comm.all_reduce(flat_grads(module), "grad_sync")  # a new tensor: its slices become the grads
+    total = comm.all_reduce(flat_grads(module.parameters()), "grad_sync")  # a new tensor: its slices become the grads
     offset = 0
     for p in module.parameters():
         count = p.numel()
@@ -207,7 +206,7 @@ class DriftCorrection:
         for p in self.params:
             p.grad = None
         self.local_loss().backward()
-        local = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        local = flat_grads(self.params)
         self.delta = self.comm.all_reduce(local * self.share, "grad_sync") - local
         for p in self.params:
             p.grad = None

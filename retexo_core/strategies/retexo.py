@@ -9,9 +9,10 @@ of training of ``block_l + head`` (the last layer: ``block_L``, which starts as 
 the node's own row where it has a skip connection, ``models.start_from_head``) on the train nodes
 (dropout on the aggregates), with gradient sync
 every round (``sync=grad``) or local steps with model averaging every ``sync_every`` rounds
-(``sync=avg``; ``drift_correction``: ``common.DriftCorrection``), validating every ``eval_every`` rounds on the val view; (4) the parameters with the
-best validation accuracy are kept; (5) the owned nodes' outputs in every view become the next
-layer's inputs (and, for the last layer, the predictions). No graph work happens inside the round
+(``sync=avg``; ``drift_correction``: ``common.DriftCorrection``), validating every ``eval_every``
+rounds on the val view; (4) the parameters with the best validation accuracy are kept; (5) the
+owned nodes' outputs in every view become the next layer's inputs (and, for the last layer, the
+predictions). No graph work happens inside the round
 loop except GAT's attention.
 """
 
