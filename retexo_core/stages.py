@@ -23,6 +23,7 @@ from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
 from retexo_core.halo import VIEWS
+from retexo_core.label_skew import LabelSkew, label_skew
 from retexo_core.models import Features, HeadState, head_state
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
@@ -50,6 +51,7 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
     """
     comm.layer = layers[0] if config.is_layerwise else 0
     data = prepare_features(data, config)
+    config, skew = resolve_drift_correction(comm, data, config)
     context = isolated_context if config.strategy_spec.isolated else make_context
     ctx = context(comm, data, config, device)
     ctx.on_progress = lambda layer, done, total, val: sink.progress(layer, data.part, done, total, val,
@@ -58,9 +60,27 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
              config.strategy, config.model, device, data.num_owned, data.num_halo, len(data.src),
              ctx.local_train, ctx.train_count, layers)
     if config.is_layerwise:
-        run_layerwise(ctx, layers, sink)
+        run_layerwise(ctx, layers, sink, skew)
         return
     run_end_to_end(ctx, layers, sink, lambda period: prepare_features(load_refresh(period), config))
+
+
+def resolve_drift_correction(comm: Communicator, data: PartData, config: TrainConfig
+                             ) -> tuple[TrainConfig, LabelSkew | None]:
+    """``config`` with ``drift_correction`` decided where it is unset: under model averaging of
+    the node task with several ranks, on where the ranks' train labels differ
+    (``retexo_core.label_skew``, two small ``control`` all-reduces); off otherwise. Also the test
+    it was decided on (None where nothing was tested)."""
+    if config.drift_correction is not None:
+        return config, None
+    skew = None
+    if config.strategy == "retexo" and config.sync == "avg" and config.task == "node" and comm.world > 1:
+        train = data.masks["train"] & (data.y >= 0)
+        skew = label_skew(comm, data.y[train], data.num_classes)
+        log.info("drift correction %s: chi-square of rank against train label %.1f (df %d, p %.2g), Cramer's V %.3f",
+                 "on, the ranks' train labels differ" if skew.differs else "off", skew.chi2, skew.df, skew.p_value,
+                 skew.cramers_v)
+    return config.model_copy(update={"drift_correction": bool(skew and skew.differs)}), skew
 
 
 def prepare_features(data: PartData, config: TrainConfig) -> PartData:
@@ -196,7 +216,9 @@ def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: Hidd
                                recipe={**result.recipe, "joint": joint.summary}, joint_hidden=joint.hidden_state)
 
 
-def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> None:
+def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink, skew: LabelSkew | None = None) -> None:
+    """Train ``layers`` one after the other; ``skew``: the test that decided the drift correction,
+    stored in every layer's recipe entry."""
     rank, cfg = ctx.data.part, ctx.config
     own = own_inputs(ctx, layers[0], sink)
     node_task = ctx.link is None
@@ -225,8 +247,9 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink) -> No
         if last:
             write_outcome(ctx, result.outputs["full"], result.link_embeddings, sink)
         ctx.comm.barrier_uncounted()  # every rank has written its part
+        recipe = result.recipe if skew is None else {**result.recipe, "drift_correction": skew.describe()}
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
-                               recipe=result.recipe)
+                               recipe=recipe)
         if ctx.comm.rank == 0:
             state = {**result.module.state_dict(), **result.joint_hidden}
             sink.commit_layer(summary, host_state(state), history_table(ctx, layer), evaluation)

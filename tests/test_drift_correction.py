@@ -9,16 +9,27 @@ On Cora cut by METIS into 4 parts (ranks as threads, dropout off, the default re
 - the correction costs one all-reduce of the parameters (``grad_sync``) before the first local step
   after each averaging, so it sends exactly as many ``grad_sync`` bytes as ``model_sync`` bytes, and
   the same ``model_sync`` bytes as plain averaging;
-- it is refused without ``sync avg``.
+- it is refused without ``sync avg``;
+- by default (neither flag) it is on where the ranks' train labels differ: on the METIS cut the
+  run equals the corrected one and on the random cut the plain one, parameter for parameter, and
+  the decision costs exactly two ``control`` all-reduces, of C + 1 values and of one;
+- the test it decides on (``label_skew``) gives, from the ranks' sums, the statistic, p-value and
+  bias-corrected Cramér's V of the whole table (as scipy and Bergsma's formula compute them).
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from scipy.stats import chi2_contingency
 
+from dist_helpers import run_threads
 from retexo_core.config import TrainConfig
+from retexo_core.label_skew import label_skew, skew_of_table
 from training_helpers import comm_log, small_config, train
 
 LAYERS = 2
@@ -39,9 +50,11 @@ def runs(cora):
     def run(**options):
         return train(cora.store, cora.dataset, cora.partitions["metis"], small_config(**SETTINGS, **options))
 
-    return {"grad": run(sync="grad"), "avg": run(sync="avg", sync_every=1),
+    return {"grad": run(sync="grad"), "avg": run(sync="avg", sync_every=1, drift_correction=False),
             "avg+dc": run(sync="avg", sync_every=1, drift_correction=True),
-            "avg/2": run(sync="avg", sync_every=2), "avg/2+dc": run(sync="avg", sync_every=2, drift_correction=True)}
+            "avg/2": run(sync="avg", sync_every=2, drift_correction=False),
+            "avg/2+dc": run(sync="avg", sync_every=2, drift_correction=True),
+            "avg/2 auto": run(sync="avg", sync_every=2)}
 
 
 def max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -70,3 +83,50 @@ def test_the_correction_sends_one_parameter_all_reduce_per_averaging(runs) -> No
 def test_the_correction_needs_model_averaging() -> None:
     with pytest.raises(ValueError, match="drift_correction corrects the local steps of model averaging"):
         TrainConfig(strategy="retexo", sync="grad", drift_correction=True)
+
+
+def decision(plan, layer: int) -> dict:
+    manifest = json.loads((plan.store.run_dir(plan.run_fp) / f"layer={layer}" / "manifest.json").read_text())
+    return manifest["recipe"]["drift_correction"]
+
+
+def test_by_default_the_correction_is_on_where_the_ranks_labels_differ(cora, runs) -> None:
+    auto, corrected = runs["avg/2 auto"], runs["avg/2+dc"]
+    for layer in range(1, LAYERS + 1):  # METIS puts most of a class on one rank: corrected
+        assert max_gap(layer_state(auto, layer), layer_state(corrected, layer)) == 0.0
+        assert decision(auto, layer)["on"] and decision(auto, layer)["p_value"] < 1e-3
+    random = {name: train(cora.store, cora.dataset, cora.partitions["random"],
+                          small_config(**SETTINGS, sync="avg", sync_every=2, drift_correction=flag))
+              for name, flag in (("auto", None), ("off", False))}
+    for layer in range(1, LAYERS + 1):  # a random cut gives every rank the same mix: not corrected
+        assert max_gap(layer_state(random["auto"], layer), layer_state(random["off"], layer)) == 0.0
+        assert not decision(random["auto"], layer)["on"]
+    parts, classes = 4, 7
+    cost = 2 * (parts - 1) * ((classes + 1) + 1) * 8  # all-reduces of C + 1 float64 values, then of one
+    for auto_run, fixed in ((auto, corrected), (random["auto"], random["off"])):
+        assert comm_log(auto_run)["control"] - comm_log(fixed)["control"] == cost
+
+
+@pytest.mark.parametrize("table", [
+    [[30, 2, 1], [3, 25, 4], [2, 3, 28]],  # each class mostly on one rank
+    [[10, 11, 9], [9, 10, 12], [11, 9, 10]],  # the same mix everywhere
+    [[5, 0, 7, 1], [4, 0, 6, 2]],  # a class no rank has
+    [[12, 3], [0, 0], [8, 9]],  # a rank without train nodes
+])
+def test_the_label_test_from_the_ranks_sums_is_that_of_the_whole_table(table) -> None:
+    counts = np.array(table, dtype=np.float64)
+    kept = counts[counts.sum(axis=1) > 0][:, counts.sum(axis=0) > 0]
+    chi2, p_value, df, _ = chi2_contingency(kept, correction=False)
+    n, (r, c) = kept.sum(), kept.shape
+    phi2 = max(chi2 / n - (r - 1) * (c - 1) / (n - 1), 0.0)  # Bergsma (2013)
+    v = np.sqrt(phi2 / min(r - (r - 1) ** 2 / (n - 1) - 1, c - (c - 1) ** 2 / (n - 1) - 1))
+    whole = skew_of_table(counts)
+    assert (whole.chi2, whole.df, whole.p_value, whole.cramers_v) == pytest.approx((chi2, df, p_value, v))
+    labels = [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in table]
+    skews = [skew for skew, _ in run_threads(lambda comm: label_skew(comm, labels[comm.rank], len(table[0])),
+                                             len(table))]
+    for skew in skews:
+        assert (skew.df, skew.nodes) == (whole.df, whole.nodes)
+        assert (skew.chi2, skew.cramers_v) == pytest.approx((whole.chi2, whole.cramers_v))
+    assert len({(s.chi2, s.differs) for s in skews}) == 1  # every rank reaches the same decision
+    assert skews[0].differs == (table[0][0] == 30)

@@ -52,7 +52,8 @@ def test_mini_batch_runs_log_exactly_the_analytic_bytes(tiny, sync: str) -> None
     else:  # local steps; parameters averaged every 2 rounds and at the last round
         averaged = [sum(1 for k in range(r) if (k + 1) % 2 == 0 or k == r - 1) for r in rounds]
         synced = {"model_sync": averaged[0] * ring(4 * p1) + averaged[1] * ring(4 * p2)}
-        agreement, evaluated = 0, sum(averaged)
+        # the drift-correction test: all-reduces of the class counts (and whether a rank trains), then of chi-square
+        agreement, evaluated = ring(8 * (C + 1)) + ring(8), sum(averaged)
     expected = {
         "control": setup + agreement + evaluated * ring(8 * 9) + ring(8 * 3 * C * C),
         "halo_features": 4 * F * h,
