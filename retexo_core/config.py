@@ -151,9 +151,9 @@ class TrainConfig(BaseModel):
         None, "retexo --sync avg: correct each rank's local steps by the gap between the global and its own "
         "gradient at the last averaged model (SCAFFOLD's control variates, from full local gradients), for parts "
         "whose labels differ (sites, METIS). One more all-reduce of the parameters (grad_sync) per averaging and "
-        "one at the start. Default (neither flag): where the ranks' train labels differ (a chi-square test of "
+        "one at the start. Default (neither flag): on where the ranks' train labels differ (a chi-square test of "
         "rank against label, p < 0.001 and Cramer's V >= 0.1, from two all-reduces of class counts; task node), "
-        "each layer's recipe search tries it and keeps it on validation (on without a search); off otherwise. See docs/training.md, drift correction for model averaging.", scope="layer",
+        "off otherwise. See docs/training.md, drift correction for model averaging.", scope="layer",
         strategies=("retexo",))
     compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
                                    "int8.", scope="layer")

@@ -12,7 +12,6 @@ knob               values tried (the start value first)  config fields it sets
 ``dropout``        0.5 / 0.2                             ``dropout``
 ``attention``      0 / 0.5 (GAT)                         ``attention_dropout``
 ``lr``             0.01 / 0.005                          ``lr``
-``drift``          off / on (``--sync avg``)             ``drift_correction``
 =================  ====================================  ===============================
 
 The search is greedy, one knob after the other in that order (coordinate ascent; layer-wise
@@ -31,10 +30,7 @@ layer 1 of layer-wise link training (a root weight on the raw features doubles t
 sync, which put retexo's bytes above ``standard``'s on the suite's graphs),
 ``attention`` (dropout of the attention coefficients, as PyG's GAT example has it) only for GAT, and
 neither under a warm start (the parameters must fit); layer 1 of layer-wise training always keeps
-its weight decay. ``drift`` (drift correction of model averaging) is a knob of layer-wise
-``--sync avg`` runs only, searched where the ranks' train labels differ and neither
-``--drift-correction`` nor ``--no-drift-correction`` is given (``stages.resolve_drift_correction``
-leaves the option unset exactly then).
+its weight decay.
 
 A recipe file (``--recipe FILE``) is what a searched run stores as ``recipe.json``: ``{"layers":
 {"1": {knob: value, ...}, "2": {...}}}``; an end-to-end run reads layer 1's entry.
@@ -59,26 +55,16 @@ KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("dropout", (0.5, 0.2)),
     ("attention", (0.0, 0.5)),
     ("lr", (0.01, 0.005)),
-    ("drift", (False, True)),  # layer-wise --sync avg only
 )
 KNOB_NAMES = tuple(name for name, _ in KNOBS)
 
 
 def knobs_of(config: TrainConfig, layer: int, end_to_end: bool) -> dict[str, Any]:
-    """The values ``config`` gives the knobs for layer ``layer`` (``features``: none under auto;
-    ``drift``, off where unset, only for layer-wise model averaging)."""
-    knobs = {"features": "rows" if config.normalize_features == "rows" else "none", "skip": config.skip,
-             "norm": config.norm,
-             "decay": config.weight_decay_layers if end_to_end else config.decays_layer(layer),
-             "dropout": config.dropout, "attention": config.attention_dropout, "lr": config.layer_lr(layer)}
-    if averages(config, end_to_end):
-        knobs["drift"] = bool(config.drift_correction)
-    return knobs
-
-
-def averages(config: TrainConfig, end_to_end: bool) -> bool:
-    """Whether the run trains layer by layer with model averaging (the ``drift`` knob's runs)."""
-    return not end_to_end and config.strategy == "retexo" and config.sync == "avg"
+    """The values ``config`` gives the knobs for layer ``layer`` (``features``: none under auto)."""
+    return {"features": "rows" if config.normalize_features == "rows" else "none", "skip": config.skip,
+            "norm": config.norm,
+            "decay": config.weight_decay_layers if end_to_end else config.decays_layer(layer),
+            "dropout": config.dropout, "attention": config.attention_dropout, "lr": config.layer_lr(layer)}
 
 
 def apply_knobs(config: TrainConfig, layer: int, knobs: dict[str, Any], end_to_end: bool) -> TrainConfig:
@@ -89,8 +75,6 @@ def apply_knobs(config: TrainConfig, layer: int, knobs: dict[str, Any], end_to_e
                               "norm": values["norm"],
                               "dropout": float(values["dropout"]), "attention_dropout": float(values["attention"]),
                               "lr": float(values["lr"])}
-    if "drift" in values and averages(config, end_to_end):
-        update["drift_correction"] = bool(values["drift"])
     if end_to_end:
         update["weight_decay_layers"] = values["decay"]
     else:
@@ -120,8 +104,7 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
         link_layerwise = config.task == "link" and not end_to_end  # a layer-1 root weight doubles its gradient sync
         names += [n for n in KNOB_NAMES[1:] if not (n == "norm" and (last or structural))
                   and not (n == "skip" and (config.model == "sage" or structural or (link_layerwise and layer == 1)))
-                  and not (n == "attention" and config.model != "gat")
-                  and not (n == "drift" and not (averages(config, end_to_end) and config.drift_correction is None))]
+                  and not (n == "attention" and config.model != "gat")]
     if not end_to_end and "skip" in names:
         # Layer-wise, ``skip`` goes first: without it layer 1 (one conv and a head) classifies a node
         # from its neighbours alone, and on heterophilous graphs that model picks input features that
@@ -267,7 +250,7 @@ def valid_value(name: str, value: Any) -> bool:
         return value in ("none", "rows")
     if name == "norm":
         return value in ("none", "layer")
-    if name in ("decay", "skip", "drift"):
+    if name in ("decay", "skip"):
         return isinstance(value, bool) or (name == "decay" and value in ("first", "all"))
     if name in ("dropout", "attention"):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1

@@ -68,23 +68,18 @@ def train_stages(comm: Communicator, data: PartData, config: TrainConfig, layers
 def resolve_drift_correction(comm: Communicator, data: PartData, config: TrainConfig
                              ) -> tuple[TrainConfig, LabelSkew | None]:
     """``config`` with ``drift_correction`` decided where it is unset: under model averaging of
-    the node task with several ranks, where the ranks' train labels differ
-    (``retexo_core.label_skew``, two small ``control`` all-reduces), each layer's recipe search
-    tries it (``drift``; the option stays unset) or, without a search, it is on; off otherwise.
-    Also the test it was decided on (None where nothing was tested)."""
+    the node task with several ranks, on where the ranks' train labels differ
+    (``retexo_core.label_skew``, two small ``control`` all-reduces); off otherwise. Also the test
+    it was decided on (None where nothing was tested)."""
     if config.drift_correction is not None:
         return config, None
     skew = None
     if config.strategy == "retexo" and config.sync == "avg" and config.task == "node" and comm.world > 1:
         train = data.masks["train"] & (data.y >= 0)
         skew = label_skew(comm, data.y[train], data.num_classes)
-        searched = skew.differs and config.recipe == "auto"
         log.info("drift correction %s: chi-square of rank against train label %.1f (df %d, p %.2g), Cramer's V %.3f",
-                 "searched per layer, the ranks' train labels differ" if searched
-                 else "on, the ranks' train labels differ" if skew.differs else "off",
-                 skew.chi2, skew.df, skew.p_value, skew.cramers_v)
-        if searched:
-            return config, skew
+                 "on, the ranks' train labels differ" if skew.differs else "off", skew.chi2, skew.df, skew.p_value,
+                 skew.cramers_v)
     return config.model_copy(update={"drift_correction": bool(skew and skew.differs)}), skew
 
 
@@ -213,9 +208,7 @@ def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: Hidd
     kept = result.kept
     assert kept is not None
     before, planned = kept.ctx.progress  # the progress goes on from the kept candidate's rounds
-    # the pair averages with the last layer's drift correction (a knob of its search)
-    mine = dataclasses.replace(ctx, progress=(before + kept.trained - ctx.config.layer_rounds(ctx.config.layers), planned),
-                               config=ctx.config.model_copy(update={"drift_correction": kept.ctx.config.drift_correction}))
+    mine = dataclasses.replace(ctx, progress=(before + kept.trained - ctx.config.layer_rounds(ctx.config.layers), planned))
     joint = train_last_two(mine, hidden, result.module, kept.ctx.config, result.best_round, result.best_val,
                            result.outputs["full"])
     return dataclasses.replace(result, module=joint.module, outputs=dict.fromkeys(result.outputs, joint.logits),
