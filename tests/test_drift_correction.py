@@ -14,7 +14,8 @@ On Cora cut by METIS into 4 parts (ranks as threads, dropout off, the default re
   run equals the corrected one and on the random cut the plain one, parameter for parameter, and
   the decision costs exactly two ``control`` all-reduces, of C + 1 values and of one;
 - the test it decides on (``label_skew``) gives, from the ranks' sums, the statistic, p-value and
-  bias-corrected Cramér's V of the whole table (as scipy and Bergsma's formula compute them).
+  bias-corrected Cramér's V of the whole table (as scipy and Bergsma's formula compute them), also
+  when the sums are masked (``--secure-agg``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from dist_helpers import run_threads
+from retexo_core.comm.secure_agg import PairwiseMasks
 from retexo_core.config import TrainConfig
 from retexo_core.label_skew import label_skew, skew_of_table
 from training_helpers import comm_log, small_config, train
@@ -130,3 +132,18 @@ def test_the_label_test_from_the_ranks_sums_is_that_of_the_whole_table(table) ->
         assert (skew.chi2, skew.cramers_v) == pytest.approx((whole.chi2, whole.cramers_v))
     assert len({(s.chi2, s.differs) for s in skews}) == 1  # every rank reaches the same decision
     assert skews[0].differs == (table[0][0] == 30)
+
+
+def test_under_secure_aggregation_the_class_counts_are_summed_masked() -> None:
+    table = [[30, 2, 1], [3, 25, 4], [2, 3, 28]]
+    labels = [torch.repeat_interleave(torch.arange(3), torch.tensor(row)) for row in table]
+
+    def masked(comm):
+        comm.masks = PairwiseMasks.agree(comm)
+        return label_skew(comm, labels[comm.rank], 3)
+
+    whole = skew_of_table(np.array(table))
+    for skew, rows in run_threads(masked, len(table)):
+        assert skew.chi2 == pytest.approx(whole.chi2, abs=1e-6) and skew.differs == whole.differs
+        kinds = {row[3] for row in rows}  # (op, layer, epoch, kind, rank, dst, bytes, hops)
+        assert {"control", "secure_agg"} <= kinds  # the sums went as masked fixed point
