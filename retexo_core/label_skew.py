@@ -1,4 +1,4 @@
-"""Whether the ranks' training labels differ: what ``--drift-correction auto`` decides on.
+"""Whether the ranks' training labels differ: where they do, ``--sync avg`` corrects its drift by default.
 
 Model averaging drifts when each rank's local steps follow a different loss, and in node
 classification the ranks' losses differ most when their train nodes hold different mixes of
@@ -7,8 +7,9 @@ cut gives every rank the same mix up to sampling noise. The decision is a chi-sq
 independence between rank and label over the train nodes (Pearson's statistic on the ranks x
 classes table of counts) and its effect size, the bias-corrected Cramér's V (Bergsma, 2013): the
 labels differ when the test rejects independence at ``SIGNIFICANCE`` and V is at least
-``SMALL_EFFECT``. Under independence the p-value is uniform, so a random cut turns the correction
-on in about one run of a thousand at most (and only with V above the floor).
+``SMALL_EFFECT`` (``stages.resolve_drift_correction`` then turns the correction on). Under
+independence the p-value is uniform, so a random cut passes in about one run of a thousand at most
+(and only with V above the floor).
 
 Distributed, no rank sends its table: one all-reduce of (class counts, 1 if the rank has train
 nodes) gives the class totals, then one all-reduce of each rank's own share of the statistic,
