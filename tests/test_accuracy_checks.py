@@ -137,10 +137,18 @@ def row_cell(row: dict) -> str:
 
 
 def suite_rows(*names: str) -> dict[tuple[str, str, str], dict]:
-    """The runs of ``benchmarks/suite_rows/<name>`` by (graph, model, variant); a later file's row
-    replaces an earlier one's."""
+    """The runs of ``benchmarks/suite_rows/<name>`` by (graph, model, variant), a file's runs of one
+    key merged seed by seed; a later file's row replaces an earlier one's."""
     return {(r["graph"], r["model"], r["variant"]): r for name in names
-            for r in json.loads((REPO / "benchmarks" / "suite_rows" / name).read_text())}
+            for r in merged(json.loads((REPO / "benchmarks" / "suite_rows" / name).read_text()))}
+
+
+def gap_check(row: dict, against: dict) -> str:
+    """The test gap of ``row`` to ``against`` in points (± its standard error where seeds pair up),
+    against the avg/5 int8 check's −1.5, with the validation gap in brackets."""
+    (gap, error), (val_gap, _) = (paired_gap(row[s], against[s]) for s in ("test", "val"))
+    error_text = "" if error is None else f" ± {error:.1f}"
+    return f"{gap:+.1f}{error_text} {'ok' if gap >= -1.5 else 'FAILS'} ({val_gap:+.1f})"
 
 
 def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
@@ -169,10 +177,6 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
     corrected one's paired test and validation gaps to the plain one."""
     from accuracy import paired_gap
 
-    def check(row: dict, against: dict) -> str:
-        (gap, error), (val_gap, _) = (paired_gap(row[s], against[s]) for s in ("test", "val"))
-        return f"{gap:+.1f} ± {error:.1f} {'ok' if gap >= -1.5 else 'FAILS'} ({val_gap:+.1f})"
-
     text = (REPO / "docs" / "accuracy.md").read_text()
     variants = ("retexo", "retexo avg/5 int8", "retexo avg/5 int8 --drift-correction")
     for cut, label in (("random", "random"), ("metis", "METIS")):
@@ -180,14 +184,14 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             plain, averaged, corrected = (rows[(graph, "gcn", v)] for v in variants)
             line = (f"| {graph} | {label} | {row_cell(plain)} | {row_cell(averaged)} | {row_cell(corrected)} | "
-                    f"{check(corrected, plain)} |")
+                    f"{gap_check(corrected, plain)} |")
             assert line.replace("-", "−") in text, line
     rows = suite_rows("parts_metis_dc_sage_gat.json")
     for model in ("sage", "gat"):
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             plain, averaged, corrected = (rows[(graph, model, v)] for v in variants)
             line = (f"| {graph} | {model} | {row_cell(plain)} | {row_cell(averaged)} | {row_cell(corrected)} | "
-                    f"{check(averaged, plain)} | {check(corrected, plain)} |")
+                    f"{gap_check(averaged, plain)} | {gap_check(corrected, plain)} |")
             assert line.replace("-", "−") in text, line
     rows = suite_rows("parts_random_dc_sage_gat.json")
     for model in ("sage", "gat"):
@@ -204,19 +208,13 @@ def test_the_docs_table_of_the_largest_graphs_cut_by_metis_is_that_of_its_commit
     averaging and the default (corrected there), the runs of ``parts_metis_dc_large.json`` merged
     seed by seed, and both averaging variants' paired test gaps to ``retexo`` (validation gaps in
     brackets)."""
-    rows = {(r["graph"], r["model"], r["variant"]): r for r in merged(json.loads(
-        (REPO / "benchmarks" / "suite_rows" / "parts_metis_dc_large.json").read_text()))}
+    rows = suite_rows("parts_metis_dc_large.json")
     text = (REPO / "docs" / "accuracy.md").read_text()
     pairs = dict.fromkeys((graph, model) for graph, model, _ in rows)
     assert len(pairs) == 6
     for graph, model in pairs:
         synced, plain, default = (rows[(graph, model, v)] for v in
                                   ("retexo", "retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8"))
-        gaps = []
-        for row in (default, plain):
-            (gap, error), (val_gap, _) = (paired_gap(row[s], synced[s]) for s in ("test", "val"))
-            error_text = "" if error is None else f" ± {error:.1f}"
-            gaps.append(f"{gap:+.1f}{error_text} {'ok' if gap >= -1.5 else 'FAILS'} ({val_gap:+.1f})")
         line = (f"| {graph} | {model} | {synced['seeds']} | {row_cell(synced)} | {row_cell(plain)} | "
-                f"{row_cell(default)} | {gaps[0]} | {gaps[1]} |")
+                f"{row_cell(default)} | {gap_check(default, synced)} | {gap_check(plain, synced)} |")
         assert line.replace("-", "−") in text, line
