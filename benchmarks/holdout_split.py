@@ -7,9 +7,9 @@ on their public split (fewer than 10 % of the nodes train, which switches the fr
 chameleon_filtered on its official splits. This script ingests each graph from its original
 file as ``retexo ingest npz --draw-split`` does (the file's masks ignored, a stratified split
 drawn: 60/20/20, seed 0; a Planetoid folder is first written, read with the project's loader, to
-an ``.npz`` without masks in a temporary folder), cuts it into 4 random parts (seed 0) and trains the
-variants of ``accuracy.py`` (by default the four the checks compare) for training seeds
-``0..N-1`` on that one split. The reference reads the features as the file gives them: for a
+an ``.npz`` without masks in a temporary folder), cuts it into 4 random parts (seed 0;
+``--partition metis`` cuts it by METIS) and trains the variants of ``accuracy.py`` (by default
+the four the checks compare) for training seeds ``0..N-1`` on that one split. The reference reads the features as the file gives them: for a
 graph read from tables or an ``.npz``, PyG's examples normalise nothing.
 
 Each (graph, model, variant, seed) runs as one process of a pool of ``--jobs``, one torch thread
@@ -17,7 +17,7 @@ each; ``--out`` keeps the rows in ``accuracy.py --out``'s format after every run
 ``accuracy.py --tables FILE`` prints the tables and the checks again.
 
     .venv/bin/python benchmarks/holdout_split.py [--graphs cora,citeseer,chameleon_filtered] [--models gcn,sage,gat]
-        [--seeds 3] [--jobs 2] [--out FILE]
+        [--seeds 3] [--partition random|metis] [--jobs 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(CHECKED), help="comma list of: " + ", ".join(ALL_VARIANTS))
     parser.add_argument("--seeds", type=int, default=3, help="training seeds 0..N-1, on the one split")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--partition", default="random", choices=["random", "metis"],
+                        help="how the 4 parts are cut (seed 0); the suite's cut is random")
     parser.add_argument("--store", type=Path, help="store to use (default: a temporary one); runs in it are reused")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here (accuracy.py --tables reads it)")
     args = parser.parse_args()
@@ -113,7 +115,8 @@ def main() -> None:
         inputs, metric = {}, {}
         for graph in graphs:
             dataset = resplit(store, args.datasets, graph, Path(tmp))
-            inputs[graph] = (dataset, build_partition(store, dataset, SUITE_PARTS))
+            parts = SUITE_PARTS.model_copy(update={"method": args.partition})
+            inputs[graph] = (dataset, build_partition(store, dataset, parts))
             metric[graph] = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
         jobs = [(g, m, v, s) for s in range(args.seeds) for m in models for g in graphs for v in variants]
         runs: list[dict[str, Any]] = []
