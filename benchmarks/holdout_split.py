@@ -9,8 +9,9 @@ file as ``retexo ingest npz --draw-split`` does (the file's masks ignored, a str
 drawn: 60/20/20, seed 0; a Planetoid folder is first written, read with the project's loader, to
 an ``.npz`` without masks in a temporary folder), cuts it into 4 random parts (seed 0;
 ``--partition metis`` cuts it by METIS) and trains the variants of ``accuracy.py`` (by default
-the four the checks compare) for training seeds ``0..N-1`` on that one split. The reference reads the features as the file gives them: for a
-graph read from tables or an ``.npz``, PyG's examples normalise nothing.
+the four the checks compare) for training seeds ``0..N-1`` on that one split. The reference reads
+the features as the file gives them: for a graph read from tables or an ``.npz``, PyG's examples
+normalise nothing.
 
 Each (graph, model, variant, seed) runs as one process of a pool of ``--jobs``, one torch thread
 each; ``--out`` keeps the rows in ``accuracy.py --out``'s format after every run, so
