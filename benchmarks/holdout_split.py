@@ -114,9 +114,9 @@ def main() -> None:
         store_path = args.store or Path(tmp) / "store"
         store = Store.open(store_path)
         inputs, metric = {}, {}
+        parts = SUITE_PARTS.model_copy(update={"method": args.partition})
         for graph in graphs:
             dataset = resplit(store, args.datasets, graph, Path(tmp))
-            parts = SUITE_PARTS.model_copy(update={"method": args.partition})
             inputs[graph] = (dataset, build_partition(store, dataset, parts))
             metric[graph] = "ROC-AUC" if dataset.num_classes == 2 else "accuracy"
         jobs = [(g, m, v, s) for s in range(args.seeds) for m in models for g in graphs for v in variants]

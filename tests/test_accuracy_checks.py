@@ -154,8 +154,6 @@ def gap_check(row: dict, against: dict) -> str:
 def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
     """docs/accuracy.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
     and MB of ``parts_random_gcn.json`` and ``parts_metis_gcn.json``."""
-    from accuracy import paired_gap
-
     text = (REPO / "docs" / "accuracy.md").read_text()
     for cut, label in (("random", "random"), ("metis", "METIS")):
         rows = {(r["graph"], r["variant"]): r for r in json.loads(
@@ -175,8 +173,6 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
     ``parts_metis_dc_sage_gat.json`` and both averaging variants' gaps (validation gaps in brackets);
     SAGE and GAT on random parts: both averaging variants of ``parts_random_dc_sage_gat.json`` and the
     corrected one's paired test and validation gaps to the plain one."""
-    from accuracy import paired_gap
-
     text = (REPO / "docs" / "accuracy.md").read_text()
     variants = ("retexo", "retexo avg/5 int8", "retexo avg/5 int8 --drift-correction")
     for cut, label in (("random", "random"), ("metis", "METIS")):
