@@ -217,3 +217,48 @@ def test_the_docs_tables_of_the_default_correction_under_metis_are_those_of_thei
         line = (f"| {graph} | {model} | {synced['seeds']} | {row_cell(synced)} | {row_cell(plain)} | "
                 f"{row_cell(default)} | {gap_check(default, synced)} | {gap_check(plain, synced)} |")
         assert line.replace("-", "−") in text, line
+
+
+def test_the_docs_table_of_the_default_correction_by_parts_is_that_of_its_committed_runs():
+    """docs/accuracy.md's table of amazon_computers and coauthor_cs GCN cut by METIS into 4, 8 and 16
+    parts: plain averaging and the default (corrected on every cut), the runs of
+    ``parts_metis_dc_large.json`` (4 parts), ``parts_metis_dc_8parts.json`` and
+    ``parts_metis_dc_16parts.json`` merged seed by seed, with the default's paired validation and
+    test gaps to plain averaging (± their standard errors where seeds pair up)."""
+    text = (REPO / "docs" / "accuracy.md").read_text()
+    train_nodes = {"amazon_computers": 8252, "coauthor_cs": 11000}  # the suite's 60/20/20 split (seed 0)
+    for parts, name in ((4, "parts_metis_dc_large.json"), (8, "parts_metis_dc_8parts.json"),
+                        (16, "parts_metis_dc_16parts.json")):
+        rows = suite_rows(name)
+        for graph, nodes in train_nodes.items():
+            plain, default = (rows[(graph, "gcn", v)] for v in
+                              ("retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8"))
+            gaps = []
+            for split in ("val", "test"):
+                gap, error = paired_gap(default[split], plain[split])
+                gaps.append(f"{gap:+.1f}" + ("" if error is None else f" ± {error:.1f}"))
+            line = (f"| {graph} | {parts} | {round(nodes / parts):,} | {plain['seeds']} | {row_cell(plain)} | "
+                    f"{row_cell(default)} | {gaps[0]} | {gaps[1]} |")
+            assert line.replace("-", "−") in text, line
+
+
+def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_committed_runs():
+    """docs/accuracy.md's table of amazon_computers cut by METIS, per model, parts and seed: the
+    validation score of 2 and 3 layers, and the kept depth's (the deeper where its validation is
+    higher, as ``runner.depth`` keeps it) validation and test, for plain averaging, the default, and
+    plain averaging's recipe trained with the correction (``parts_metis_dc_recipe_probe.json``)."""
+    runs = json.loads((REPO / "benchmarks" / "suite_rows" / "parts_metis_dc_recipe_probe.json").read_text())
+    by_key = {(r["model"], r["parts"], r["seed"], r["variant"], r["layers"]): r for r in runs}
+    variants = ("retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8",
+                "retexo avg/5 int8 --drift-correction --recipe <the plain run's>")
+    text = (REPO / "docs" / "accuracy.md").read_text()
+    cuts = list(dict.fromkeys((r["model"], r["parts"], r["seed"]) for r in runs))
+    assert len(runs) == len(cuts) * len(variants) * 2
+    for model, parts, seed in cuts:
+        cells = []
+        for variant in variants:
+            two, three = (by_key[(model, parts, seed, variant, layers)] for layers in (2, 3))
+            kept = three if three["val"] > two["val"] else two
+            cells.append(f"{two['val']:.3f} / {three['val']:.3f} → {kept['val']:.3f} ({kept['test']:.3f})")
+        line = f"| {model} | {parts} | {seed} | " + " | ".join(cells) + " |"
+        assert line in text, line
