@@ -96,12 +96,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 # variants that --variants may name and the suite does not train unless named: both retexo variants
 # with the fresh pair, avg/5 int8 with drift correction always on or off (by default: where the parts' train
-# labels differ) or with its candidates screened uncorrected, and layer-wise training without the recipe search
+# labels differ), and layer-wise training without the recipe search
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     "retexo avg/5 int8 --drift-correction": {**(VARIANTS["retexo avg/5 int8"] or {}), "drift_correction": True},
     "retexo avg/5 int8 --no-drift-correction": {**(VARIANTS["retexo avg/5 int8"] or {}), "drift_correction": False},
-    "retexo avg/5 int8 --screen-uncorrected": {**(VARIANTS["retexo avg/5 int8"] or {}), "screen_uncorrected": True},
     "centralized --layerwise --recipe default": {"strategy": "centralized", "layerwise": True, "recipe": "default"},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}

@@ -155,11 +155,6 @@ class TrainConfig(BaseModel):
         "rank against label, p < 0.001 and Cramer's V >= 0.1, from two all-reduces of class counts; task node), "
         "off otherwise. See docs/training.md, drift correction for model averaging.", scope="layer",
         strategies=("retexo",))
-    screen_uncorrected: bool = option(
-        False, "retexo --sync avg where the drift correction is on, with the layer-wise recipe search: screen each "
-        "layer's candidates under plain averaging, then train the kept one again from the layer's initial "
-        "parameters under the correction (one more screen's rounds a layer). See docs/accuracy.md, most of the "
-        "loss on amazon_computers in 4 parts comes from the search.", scope="layer", strategies=("retexo",))
     compress: Compression = option("none", "Encoding of everything sent except control traffic: none | fp16 | "
                                    "int8.", scope="layer")
     skip_zero_grads: bool = option(False, "Gradient sync: send each all-reduce chunk as a bitmap of its non-zero "

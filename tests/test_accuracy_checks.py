@@ -263,3 +263,27 @@ def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_commit
             cells.append(f"{two['val']:.3f} / {three['val']:.3f} → {kept['val']:.3f} ({kept['test']:.3f})")
         line = f"| {model} | {parts} | {seed} | " + " | ".join(cells) + " |"
         assert line in text, line
+
+
+def test_the_docs_table_of_screening_under_plain_averaging_is_that_of_its_committed_runs():
+    """docs/accuracy.md's table of ``--screen-uncorrected`` (not adopted), METIS: plain averaging,
+    the default (corrected on these cuts: the ``--drift-correction`` runs of the three smaller graphs,
+    the default's of amazon_computers) and the screened runs of
+    ``parts_metis_dc_screen_uncorrected.json``, with the screened runs' paired validation and test
+    gaps to the default."""
+    text = (REPO / "docs" / "accuracy.md").read_text()
+    screened = suite_rows("parts_metis_dc_screen_uncorrected.json")
+    small = suite_rows("parts_metis_dc_gcn.json", "parts_metis_dc_sage_gat.json")
+    large = suite_rows("parts_metis_dc_large.json")
+    assert len(screened) == 10
+    for graph, model, variant in screened:
+        if graph == "amazon_computers":
+            plain, default = (large[(graph, model, v)] for v in
+                              ("retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8"))
+        else:
+            plain, default = (small[(graph, model, v)] for v in
+                              ("retexo avg/5 int8", "retexo avg/5 int8 --drift-correction"))
+        row = screened[(graph, model, variant)]
+        line = (f"| {graph} | {model} | {row['seeds']} | {row_cell(plain)} | {row_cell(default)} | {row_cell(row)} | "
+                f"{gap_text(row, default, 'val')} | {gap_text(row, default, 'test')} |")
+        assert line.replace("-", "−") in text, line

@@ -10,10 +10,6 @@ On Cora cut by METIS into 4 parts (ranks as threads, dropout off, the default re
   after each averaging, so it sends exactly as many ``grad_sync`` bytes as ``model_sync`` bytes, and
   the same ``model_sync`` bytes as plain averaging;
 - it is refused without ``sync avg``;
-- with ``screen_uncorrected``, the recipe search screens its candidates under plain averaging (layer
-  1 screens exactly as plain averaging's search does) and the kept candidate trains again under the
-  correction: the layers equal those of the kept recipe trained as a recipe file with the
-  correction, bit for bit, and the screens add one plain averaging each and no ``grad_sync``;
 - by default (neither flag) it is on where the ranks' train labels differ: on the METIS cut the
   run equals the corrected one and on the random cut the plain one, parameter for parameter, and
   the decision costs exactly two ``control`` all-reduces, of C + 1 values and of one;
@@ -36,8 +32,7 @@ from dist_helpers import run_threads
 from retexo_core.comm.secure_agg import PairwiseMasks
 from retexo_core.config import TrainConfig
 from retexo_core.label_skew import label_skew, skew_of_table
-from retexo_core.models import Block, LayerWithHead
-from training_helpers import HIDDEN, comm_log, params, small_config, train
+from training_helpers import comm_log, small_config, train
 
 LAYERS = 2
 SETTINGS = dict(model="gcn", layers=LAYERS, rounds=4, lr=0.05, joint_rounds=3)
@@ -90,32 +85,6 @@ def test_the_correction_sends_one_parameter_all_reduce_per_averaging(runs) -> No
 def test_the_correction_needs_model_averaging() -> None:
     with pytest.raises(ValueError, match="drift_correction corrects the local steps of model averaging"):
         TrainConfig(strategy="retexo", sync="grad", drift_correction=True)
-
-
-def layer_manifest(plan, layer: int) -> dict:
-    return json.loads((plan.store.run_dir(plan.run_fp) / f"layer={layer}" / "manifest.json").read_text())
-
-
-def test_screened_uncorrected_the_kept_recipe_trains_again_under_the_correction(cora) -> None:
-    screen, parts, classes = 2, 4, 7
-    searched = dict(SETTINGS, sync="avg", sync_every=2, recipe="auto", recipe_screen=screen, recipe_margin=1.0)
-
-    def run(**options):
-        return train(cora.store, cora.dataset, cora.partitions["metis"], small_config(**{**searched, **options}))
-
-    screened, plain = run(drift_correction=True, screen_uncorrected=True), run(drift_correction=False)
-    fixed = run(drift_correction=True, recipe=str(screened.store.run_dir(screened.run_fp) / "recipe.json"))
-    assert layer_manifest(screened, 1)["recipe"] == layer_manifest(plain, 1)["recipe"]  # the same screens
-    for layer in range(1, LAYERS + 1):
-        assert max_gap(layer_state(screened, layer), layer_state(fixed, layer)) == 0.0
-    screens = 0  # bytes of one averaging of each candidate (sync_every = screen rounds), every layer
-    for layer, (in_dim, out_dim) in ((1, (1433, HIDDEN)), (2, (HIDDEN, classes))):
-        for tried in layer_manifest(screened, layer)["recipe"]["val_scores"]:
-            block = Block("gcn", in_dim, out_dim, 4, 0.0, last=layer == LAYERS, norm=tried["norm"] == "layer",
-                          skip=tried["skip"])
-            screens += 2 * (parts - 1) * 4 * params(LayerWithHead(block, classes))
-    assert comm_log(screened)["grad_sync"] == comm_log(fixed)["grad_sync"]
-    assert comm_log(screened)["model_sync"] - comm_log(fixed)["model_sync"] == screens
 
 
 def decision(plan, layer: int) -> dict:

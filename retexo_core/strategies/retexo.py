@@ -412,10 +412,6 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
                                                           keep_own=skips)))
     screen = base.screen_rounds if search.size > 1 else base.layer_rounds(layer)
     total = base.layer_rounds(layer) + (search.size - 1) * min(screen, base.layer_rounds(layer))
-    # screen_uncorrected: the candidates screen under plain averaging, the kept one trains again corrected
-    again = bool(base.drift_correction and base.screen_uncorrected and search.size > 1)
-    screening = dataclasses.replace(ctx, config=base.model_copy(update={"drift_correction": False})) if again else ctx
-    total += min(screen, base.layer_rounds(layer)) if again else 0
     if layer == base.layers and base.trains_jointly:
         # the last two layers' rounds together follow (stages.with_last_two_together), twice with the fresh pair
         total += base.last_two_rounds * (2 if base.joint_fresh else 1)
@@ -423,19 +419,16 @@ def train_layer(ctx: WorkerContext, layer: int, own: Views, initial: dict[str, t
     kept: LayerFit | None = None
     fits = []
     while (candidate := search.next()) is not None:
-        fit = start_fit(screening, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]],
-                        fit_kind, previous_head)
+        fit = start_fit(ctx, layer, own, initial, candidate.knobs, prepared[candidate.knobs["features"]], fit_kind,
+                        previous_head)
         fits.append(fit)
         fit.ctx.progress = (spent, total)
         fit.advance(screen)
         spent += fit.trained
         paired = None if kept is None else paired_counts(ctx.comm, fit.best.hits, kept.best.hits)
         if search.report(fit.best.accuracy, paired):
-            kept, knobs = fit, candidate.knobs
+            kept = fit
     assert kept is not None
-    if again:
-        kept = start_fit(ctx, layer, own, initial, knobs, prepared[knobs["features"]], fit_kind, previous_head)
-        fits.append(kept)
     kept.ctx.progress = (spent - kept.trained, total)
     best = kept.finish()
     ctx.history += kept.history
