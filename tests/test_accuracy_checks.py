@@ -140,7 +140,7 @@ def suite_rows(*names: str) -> dict[tuple[str, str, str], dict]:
     """The runs of ``benchmarks/suite_rows/<name>`` by (graph, model, variant), a file's runs of one
     key merged seed by seed; a later file's row replaces an earlier one's."""
     return {(r["graph"], r["model"], r["variant"]): r for name in names
-            for r in merged(json.loads((REPO / "benchmarks" / "suite_rows" / name).read_text()))}
+            for r in merged(json.loads((ROWS / name).read_text()))}
 
 
 def gap_text(row: dict, against: dict, split: str) -> str:
@@ -162,7 +162,7 @@ def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
     text = (REPO / "docs" / "accuracy.md").read_text()
     for cut, label in (("random", "random"), ("metis", "METIS")):
         rows = {(r["graph"], r["variant"]): r for r in json.loads(
-            (REPO / "benchmarks" / "suite_rows" / f"parts_{cut}_gcn.json").read_text())}
+            (ROWS / f"parts_{cut}_gcn.json").read_text())}
         for graph in ("cora", "citeseer", "chameleon_filtered"):
             cells = [row_cell(rows[(graph, variant)]) for variant in ("retexo", "retexo avg/5 int8")]
             gap, error = paired_gap(rows[(graph, "retexo avg/5 int8")]["test"], rows[(graph, "retexo")]["test"])
@@ -248,7 +248,7 @@ def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_commit
     validation score of 2 and 3 layers, and the kept depth's (the deeper where its validation is
     higher, as ``runner.depth`` keeps it) validation and test, for plain averaging, the default, and
     plain averaging's recipe trained with the correction (``parts_metis_dc_recipe_probe.json``)."""
-    runs = json.loads((REPO / "benchmarks" / "suite_rows" / "parts_metis_dc_recipe_probe.json").read_text())
+    runs = json.loads((ROWS / "parts_metis_dc_recipe_probe.json").read_text())
     by_key = {(r["model"], r["parts"], r["seed"], r["variant"], r["layers"]): r for r in runs}
     variants = ("retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8",
                 "retexo avg/5 int8 --drift-correction --recipe <the plain run's>")
