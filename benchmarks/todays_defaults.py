@@ -27,7 +27,7 @@ official split) per run; where each variant's runs come from:
   of every source above (docs/accuracy.md, "Wisconsin trained again");
 - both ``retexo`` variants with GCN on actor and wisconsin and with GAT on actor, wisconsin and Cora:
   ``skip_first_rerun.json``, trained again since the layer-wise search tries ``skip`` before
-  ``features``, replacing every source above (docs/accuracy.md, "The order of the layer-wise
+  ``features``, replacing every source above (docs/accuracy-layerwise.md, "The order of the layer-wise
   search's knobs").
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired

@@ -30,7 +30,7 @@ Scope = Literal["layer", "per_layer", "last", "run", "none"]
 LINK_STRATEGIES = ("retexo", "centralized", "standard", "tma")  # the strategies that train --task link
 LR = 0.01  # the default learning rate (Adam), as Kipf & Welling
 LAYERWISE_FIRST_LR = {"gcn": 0.005}  # layer 1 of layer-wise training, per model (chosen on validation: docs/training.md)
-SCARCE_LABELS = 0.1  # joint_fresh is on by default where fewer than this share of the nodes train (docs/accuracy.md)
+SCARCE_LABELS = 0.1  # joint_fresh is on by default where fewer than this share of the nodes train (docs/accuracy-layerwise.md)
 
 
 def option(default: Any, help: str, *, scope: Scope, strategies: tuple[str, ...] | None = None,
@@ -85,7 +85,7 @@ class TrainConfig(BaseModel):
         0.0, "recipe search: an alternative replaces the kept recipe only when it classifies more validation nodes "
         "right by more than this many standard errors of that paired difference (sqrt of the nodes the two "
         "disagree on); 0: any higher validation accuracy. ROC-AUC (two classes) and link scores: any higher "
-        "score. See docs/accuracy.md, the search margin.", scope="layer", ge=0)
+        "score. See docs/accuracy-search.md, the search margin.", scope="layer", ge=0)
     layers: int = option(2, "Number of GNN layers.", scope="run", ge=1, le=8)
     choose_depth: bool | None = option(
         None, "Also train the model one layer deeper (layers + 1) and keep the depth with the higher validation "

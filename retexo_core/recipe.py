@@ -108,7 +108,7 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
     if not end_to_end and "skip" in names:
         # Layer-wise, ``skip`` goes first: without it layer 1 (one conv and a head) classifies a node
         # from its neighbours alone, and on heterophilous graphs that model picks input features that
-        # the block with its skip connection would not (docs/accuracy.md, "The order of the
+        # the block with its skip connection would not (docs/accuracy-layerwise.md, "The order of the
         # layer-wise search's knobs").
         names.insert(0, names.pop(names.index("skip")))
     return names

@@ -96,37 +96,41 @@ def test_the_docs_show_the_tables_of_the_holdout_protocol():
 
 
 def test_the_docs_show_the_tables_of_the_depth_margin():
-    """docs/accuracy.md's tables of ``benchmarks/depth_margin.py`` are those of its committed runs
+    """docs/accuracy-search.md's tables of ``benchmarks/depth_margin.py`` are those of its committed runs
     (layer-wise on the suite's splits and under 60/20/20, ``centralized`` end to end)."""
     from depth_margin import read_runs, summary, table
 
-    docs = REPO / "docs" / "accuracy.md"
+    docs = REPO / "docs" / "accuracy-search.md"
     margins = [0.0, 0.5, 1.0, float("inf")]
     for name in ("suite", "holdout", "centralized"):
         runs = read_runs(ROWS / f"depth_margin_{name}.jsonl")
         assert block(docs, name, "<!-- depth margin: {} -->") == table(runs, margins) + [""] + summary(runs, margins)
 
 
-@pytest.mark.parametrize("mark, runs, against, against_variant", [
+@pytest.mark.parametrize("page, mark, runs, against, against_variant", [
     # the probe that searches layer 1's skip connection and input features together
-    ("skip and features together", ["skip_features_together"], ["depth_margin_suite", "skip_features_greedy_actor"], None),
-    ("layer-wise against end to end", ["depth_margin_suite"], ["depth_margin_centralized"], "centralized"),
-    ("validation size", ["validation_half_a"], ["validation_whole"], None),
-    # the probe of a smoothed statistic for the recipe search, layer-wise and end to end (not adopted)
-    ("recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"], "centralized --layerwise"),
-    ("recipe score smoothed, end to end", ["recipe_score_smoothed_centralized"], ["depth_margin_centralized"],
+    ("accuracy-layerwise.md", "skip and features together", ["skip_features_together"],
+     ["depth_margin_suite", "skip_features_greedy_actor"], None),
+    ("accuracy-search.md", "layer-wise against end to end", ["depth_margin_suite"], ["depth_margin_centralized"],
      "centralized"),
+    ("accuracy-search.md", "validation size", ["validation_half_a"], ["validation_whole"], None),
+    # the probe of a smoothed statistic for the recipe search, layer-wise and end to end (not adopted)
+    ("accuracy-search.md", "recipe score smoothed", ["recipe_score_smoothed"], ["depth_margin_suite"],
+     "centralized --layerwise"),
+    ("accuracy-search.md", "recipe score smoothed, end to end", ["recipe_score_smoothed_centralized"],
+     ["depth_margin_centralized"], "centralized"),
     # the probe of ELU after GAT's hidden blocks, end to end (not adopted)
-    ("gat elu, end to end", ["gat_elu_centralized"], ["depth_margin_centralized"], "centralized"),
-    ("candidate ensembles, gat", ["candidate_ensembles_gat"], ["depth_margin_centralized"], "centralized"),
+    ("accuracy-search.md", "gat elu, end to end", ["gat_elu_centralized"], ["depth_margin_centralized"], "centralized"),
+    ("accuracy-search.md", "candidate ensembles, gat", ["candidate_ensembles_gat"], ["depth_margin_centralized"],
+     "centralized"),
 ])
-def test_the_docs_show_the_paired_tables_of_the_committed_runs(mark, runs, against, against_variant):
-    """docs/accuracy.md's paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
+def test_the_docs_show_the_paired_tables_of_the_committed_runs(page, mark, runs, against, against_variant):
+    """The docs' paired tables are ``depth_margin.py --tables ... --against ...`` of their committed runs."""
     from depth_margin import paired_table, read_runs
 
     table = paired_table(read_runs(*(ROWS / f"{name}.jsonl" for name in runs)),
                          read_runs(*(ROWS / f"{name}.jsonl" for name in against)), 0.0, against_variant)
-    assert block(REPO / "docs" / "accuracy.md", "paired", f"<!-- {mark}: {{}} -->") == table
+    assert block(REPO / "docs" / page, "paired", f"<!-- {mark}: {{}} -->") == table
 
 
 def row_cell(row: dict) -> str:
@@ -157,9 +161,9 @@ def gap_check(row: dict, against: dict) -> str:
 
 
 def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
-    """docs/accuracy.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
+    """docs/accuracy-metis.md's table "Parts cut by METIS" gives each row's test mean ± std, validation mean
     and MB of ``parts_random_gcn.json`` and ``parts_metis_gcn.json``."""
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     for cut, label in (("random", "random"), ("metis", "METIS")):
         rows = {(r["graph"], r["variant"]): r for r in json.loads(
             (ROWS / f"parts_{cut}_gcn.json").read_text())}
@@ -172,13 +176,13 @@ def test_the_docs_table_of_parts_cut_by_metis_is_that_of_its_committed_runs():
 
 
 def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs():
-    """docs/accuracy.md's tables under "Drift correction closes it". GCN: ``retexo`` of
+    """docs/accuracy-metis.md's tables under "Drift correction closes it". GCN: ``retexo`` of
     ``parts_{cut}_gcn.json``, both averaging variants of ``parts_{cut}_dc_gcn.json`` and the
     corrected variant's paired test gap to ``retexo``; SAGE and GAT: the three variants of
     ``parts_metis_dc_sage_gat.json`` and both averaging variants' gaps (validation gaps in brackets);
     SAGE and GAT on random parts: both averaging variants of ``parts_random_dc_sage_gat.json`` and the
     corrected one's paired test and validation gaps to the plain one."""
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     variants = ("retexo", "retexo avg/5 int8", "retexo avg/5 int8 --drift-correction")
     for cut, label in (("random", "random"), ("metis", "METIS")):
         rows = suite_rows(f"parts_{cut}_gcn.json", f"parts_{cut}_dc_gcn.json")
@@ -207,13 +211,13 @@ def test_the_docs_tables_of_drift_correction_are_those_of_their_committed_runs()
 @pytest.mark.parametrize("name, count", [("parts_metis_dc_large.json", 6), ("parts_metis_dc_602020.json", 9)])
 def test_the_docs_tables_of_the_default_correction_under_metis_are_those_of_their_committed_runs(name: str,
                                                                                                   count: int):
-    """docs/accuracy.md's tables of the default correction under METIS (amazon_computers and
+    """docs/accuracy-metis.md's tables of the default correction under METIS (amazon_computers and
     coauthor_cs on the suite's split; Cora, CiteSeer and chameleon_filtered on a 60/20/20 split):
     ``retexo``, plain averaging and the default (corrected there), the runs of ``name`` merged seed
     by seed, and both averaging variants' paired test gaps to ``retexo`` (validation gaps in
     brackets), one line for each of the file's ``count`` pairs of graph and model."""
     rows = suite_rows(name)
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     pairs = dict.fromkeys((graph, model) for graph, model, _ in rows)
     assert len(pairs) == count
     for graph, model in pairs:
@@ -225,12 +229,12 @@ def test_the_docs_tables_of_the_default_correction_under_metis_are_those_of_thei
 
 
 def test_the_docs_table_of_the_default_correction_by_parts_is_that_of_its_committed_runs():
-    """docs/accuracy.md's table of amazon_computers and coauthor_cs GCN cut by METIS into 4, 8 and 16
+    """docs/accuracy-metis.md's table of amazon_computers and coauthor_cs GCN cut by METIS into 4, 8 and 16
     parts: plain averaging and the default (corrected on every cut), the runs of
     ``parts_metis_dc_large.json`` (4 parts), ``parts_metis_dc_8parts.json`` and
     ``parts_metis_dc_16parts.json`` merged seed by seed, with the default's paired validation and
     test gaps to plain averaging (± their standard errors where seeds pair up)."""
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     train_nodes = {"amazon_computers": 8252, "coauthor_cs": 11000}  # the suite's 60/20/20 split (seed 0)
     for parts, name in ((4, "parts_metis_dc_large.json"), (8, "parts_metis_dc_8parts.json"),
                         (16, "parts_metis_dc_16parts.json")):
@@ -244,7 +248,7 @@ def test_the_docs_table_of_the_default_correction_by_parts_is_that_of_its_commit
 
 
 def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_committed_runs():
-    """docs/accuracy.md's table of amazon_computers cut by METIS, per model, parts and seed: the
+    """docs/accuracy-metis.md's table of amazon_computers cut by METIS, per model, parts and seed: the
     validation score of 2 and 3 layers, and the kept depth's (the deeper where its validation is
     higher, as ``runner.depth`` keeps it) validation and test, for plain averaging, the default, and
     plain averaging's recipe trained with the correction (``parts_metis_dc_recipe_probe.json``)."""
@@ -252,7 +256,7 @@ def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_commit
     by_key = {(r["model"], r["parts"], r["seed"], r["variant"], r["layers"]): r for r in runs}
     variants = ("retexo avg/5 int8 --no-drift-correction", "retexo avg/5 int8",
                 "retexo avg/5 int8 --drift-correction --recipe <the plain run's>")
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     cuts = list(dict.fromkeys((r["model"], r["parts"], r["seed"]) for r in runs))
     assert len(runs) == len(cuts) * len(variants) * 2
     for model, parts, seed in cuts:
@@ -266,12 +270,12 @@ def test_the_docs_table_of_the_search_under_the_correction_is_that_of_its_commit
 
 
 def test_the_docs_table_of_screening_under_plain_averaging_is_that_of_its_committed_runs():
-    """docs/accuracy.md's table of ``--screen-uncorrected`` (not adopted), METIS: plain averaging,
+    """docs/accuracy-metis.md's table of ``--screen-uncorrected`` (not adopted), METIS: plain averaging,
     the default (corrected on these cuts: the ``--drift-correction`` runs of the three smaller graphs,
     the default's of amazon_computers) and the screened runs of
     ``parts_metis_dc_screen_uncorrected.json``, with the screened runs' paired validation and test
     gaps to the default."""
-    text = (REPO / "docs" / "accuracy.md").read_text()
+    text = (REPO / "docs" / "accuracy-metis.md").read_text()
     screened = suite_rows("parts_metis_dc_screen_uncorrected.json")
     small = suite_rows("parts_metis_dc_gcn.json", "parts_metis_dc_sage_gat.json")
     large = suite_rows("parts_metis_dc_large.json")

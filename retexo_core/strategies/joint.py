@@ -1,7 +1,7 @@
 """The last two layers of a layer-wise GCN or SAGE run trained together, after the greedy layers.
 
 Greedy layer-wise training fits layer L-1 to its auxiliary head, never to what layer L makes of it;
-on some graphs that costs a point or two (docs/accuracy.md, "The last two layers together"). The
+on some graphs that costs a point or two (docs/accuracy-layerwise.md, "The last two layers together"). The
 two can train together exactly, with one more halo exchange and no exchange per round: layer L-1's
 output at a halo node u is ``block_{L-1}((Â·Z)_u, Z_u)`` (Z: layer L-1's inputs), and u's owner
 holds those aggregated inputs already (it computed them for layer L-1). So every owner sends the
@@ -108,7 +108,7 @@ def fresh_pair(hidden: LayerWithHead, last: LayerWithHead, seed: int, layer: int
     training has one recipe, layer L-1's dropout in both. Layer L's skip connection, chosen for a
     layer trained on frozen inputs, starts at zero and stays there where layer L-1 has none: on
     CiteSeer the pair trained from scratch with it fits the few training labels through the nodes'
-    own rows (docs/accuracy.md, the pair from scratch)."""
+    own rows (docs/accuracy-layerwise.md, the pair from scratch)."""
 
     def block_like(block: Block, seed: int) -> Block:
         conv = block.conv
