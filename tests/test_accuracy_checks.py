@@ -291,3 +291,25 @@ def test_the_docs_table_of_screening_under_plain_averaging_is_that_of_its_commit
         line = (f"| {graph} | {model} | {row['seeds']} | {row_cell(plain)} | {row_cell(default)} | {row_cell(row)} | "
                 f"{gap_text(row, default, 'val')} | {gap_text(row, default, 'test')} |")
         assert line.replace("-", "−") in text, line
+
+
+def test_the_docs_table_of_cora_gat_centralized_recipes_is_that_of_its_committed_runs():
+    """docs/accuracy-search.md's table of what ``centralized`` keeps on Cora GAT: per seed the
+    reference, the depth the choice keeps (the deeper where its validation is higher, as
+    ``runner.depth`` keeps it) and that run's scores and recipe, from
+    ``cora_gat_centralized_recipes.json``, whose kept runs are the table of today's defaults'."""
+    runs = {(r["seed"], r["layers"]): r for r in json.loads((ROWS / "cora_gat_centralized_recipes.json").read_text())}
+    reference, centralized = ([r for r in json.loads((ROWS / "todays_defaults.json").read_text())
+                               if (r["graph"], r["model"], r["variant"]) == ("cora", "gat", variant)][0]
+                              for variant in ("reference", "centralized"))
+    start = {"features": "none", "skip": False, "norm": "none", "decay": "first", "dropout": 0.5, "attention": 0.0,
+             "lr": 0.01}
+    lines = block(REPO / "docs" / "accuracy-search.md", "recipes", "<!-- cora gat centralized: {} -->")
+    assert len(lines) == 2 + 10
+    for seed in range(10):
+        depth = 3 if runs[(seed, 3)]["val"] > runs[(seed, 2)]["val"] else 2
+        kept = runs[(seed, depth)]
+        assert kept["test"] == centralized["test"][seed] and kept["val"] == centralized["val"][seed]
+        changed = ", ".join(f"{knob} {kept['recipe'][knob]}" for knob in start if kept["recipe"][knob] != start[knob])
+        assert lines[2 + seed] == (f"| {seed} | {reference['val'][seed]:.3f} / {reference['test'][seed]:.3f} | {depth} "
+                                   f"| {kept['val']:.3f} / {kept['test']:.3f} | {changed} |")
