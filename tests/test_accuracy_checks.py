@@ -302,8 +302,10 @@ def test_the_docs_table_of_cora_gat_centralized_recipes_is_that_of_its_committed
     reference, centralized = ([r for r in json.loads((ROWS / "todays_defaults.json").read_text())
                                if (r["graph"], r["model"], r["variant"]) == ("cora", "gat", variant)][0]
                               for variant in ("reference", "centralized"))
-    start = {"features": "none", "skip": False, "norm": "none", "decay": "first", "dropout": 0.5, "attention": 0.0,
-             "lr": 0.01}
+    from retexo_core.config import TrainConfig
+    from retexo_core.recipe import knobs_of
+
+    start = knobs_of(TrainConfig(model="gat"), 1, end_to_end=True)  # the start recipe of centralized's search
     lines = block(REPO / "docs" / "accuracy-search.md", "recipes", "<!-- cora gat centralized: {} -->")
     assert len(lines) == 2 + 10
     for seed in range(10):
