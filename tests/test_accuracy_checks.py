@@ -298,13 +298,13 @@ def test_the_docs_table_of_cora_gat_centralized_recipes_is_that_of_its_committed
     reference, the depth the choice keeps (the deeper where its validation is higher, as
     ``runner.depth`` keeps it) and that run's scores and recipe, from
     ``cora_gat_centralized_recipes.json``, whose kept runs are the table of today's defaults'."""
+    from retexo_core.config import TrainConfig
+    from retexo_core.recipe import knobs_of
+
     runs = {(r["seed"], r["layers"]): r for r in json.loads((ROWS / "cora_gat_centralized_recipes.json").read_text())}
     reference, centralized = ([r for r in json.loads((ROWS / "todays_defaults.json").read_text())
                                if (r["graph"], r["model"], r["variant"]) == ("cora", "gat", variant)][0]
                               for variant in ("reference", "centralized"))
-    from retexo_core.config import TrainConfig
-    from retexo_core.recipe import knobs_of
-
     start = knobs_of(TrainConfig(model="gat"), 1, end_to_end=True)  # the start recipe of centralized's search
     lines = block(REPO / "docs" / "accuracy-search.md", "recipes", "<!-- cora gat centralized: {} -->")
     assert len(lines) == 2 + 10
