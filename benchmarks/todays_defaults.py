@@ -25,10 +25,9 @@ official split) per run; where each variant's runs come from:
 - every variant but ``reference`` on wisconsin: ``wisconsin_rerun.json``, all ten splits trained
   again in one session with one code version (99dcaf9), on this machine, replacing the older rows
   of every source above (docs/accuracy.md, "Wisconsin trained again");
-- both ``retexo`` variants with GCN on every graph of the suite and with GAT on every graph but
-  coauthor_cs: ``skip_first_rerun.json``, trained again since the layer-wise search tries ``skip``
-  before ``features``, replacing every source above (docs/accuracy-layerwise.md, "The order of the
-  layer-wise search's knobs").
+- both ``retexo`` variants with GCN and GAT on every graph of the suite: ``skip_first_rerun.json``,
+  trained again since the layer-wise search tries ``skip`` before ``features``, replacing every
+  source above (docs/accuracy-layerwise.md, "The order of the layer-wise search's knobs").
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
