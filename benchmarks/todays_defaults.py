@@ -1,5 +1,5 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-amazon_computers (three seeds) and coauthor_cs (three seeds with GCN, one with SAGE and GAT)),
+amazon_computers (three seeds) and coauthor_cs (three seeds with GCN and SAGE, one with GAT)),
 assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``todays_defaults.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
@@ -29,7 +29,8 @@ official split) per run; where each variant's runs come from:
   trained again since the layer-wise search tries ``skip`` before ``features``, replacing every
   source above (docs/accuracy-layerwise.md, "The order of the layer-wise search's knobs"), and
   amazon_computers GAT's and coauthor_cs GCN's training seeds 1 and 2 (stops 92 and 93; their
-  other variants in ``defaults_runs.json``).
+  other variants in ``defaults_runs.json``; coauthor_cs SAGE's ``retexo`` variants in
+  ``joint_runs.json``).
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
