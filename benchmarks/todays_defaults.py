@@ -1,5 +1,5 @@
 """The table "Today's defaults" (docs/accuracy.md: the four small graphs, actor and minesweeper,
-amazon_computers (three seeds) and coauthor_cs (three seeds with GCN and SAGE, one with GAT)),
+amazon_computers and coauthor_cs (three seeds each)),
 assembled from the per-seed runs kept in ``benchmarks/suite_rows``: writes
 ``todays_defaults.json`` in ``accuracy.py --out``'s format, which ``accuracy.py --tables`` prints.
 
