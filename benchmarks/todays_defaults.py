@@ -28,9 +28,9 @@ official split) per run; where each variant's runs come from:
 - both ``retexo`` variants with GCN and GAT on every graph of the suite: ``skip_first_rerun.json``,
   trained again since the layer-wise search tries ``skip`` before ``features``, replacing every
   source above (docs/accuracy-layerwise.md, "The order of the layer-wise search's knobs"), and
-  amazon_computers GAT's and coauthor_cs GCN's training seeds 1 and 2 (stops 92 and 93; their
-  other variants in ``defaults_runs.json``; coauthor_cs SAGE's ``retexo`` variants in
-  ``joint_runs.json``).
+  amazon_computers GAT's and coauthor_cs GCN's training seeds 1 and 2 (stops 92 and 93) and
+  coauthor_cs GAT's seeds 0, 1 and 2 (stop 94) (their other variants in ``defaults_runs.json``;
+  coauthor_cs SAGE's ``retexo`` variants in ``joint_runs.json``).
 
 A (graph, model) keeps the seeds 0..n-1 that every variant has, so that the checks are paired
 (none: no row).
