@@ -127,13 +127,13 @@ VIEWS: list[ViewSpec] = [
     ViewSpec(
         "completed_runs", "json", "runs/run=*/manifest.json",
         "fp AS run, dataset, partition, strategy, model, setting, test_acc, val_acc, total_bytes, sim_comm_s, "
-        "wall_s, status, dataset_name, label, method, parts, created_at",
+        "wall_s, status, dataset_name, label, method, parts, created_at, platform",
         _cols("run VARCHAR, dataset VARCHAR, partition VARCHAR, strategy VARCHAR, model VARCHAR, setting VARCHAR, "
               "test_acc DOUBLE, val_acc DOUBLE, total_bytes BIGINT, sim_comm_s DOUBLE, wall_s DOUBLE, status VARCHAR, "
-              "dataset_name VARCHAR, label VARCHAR, method VARCHAR, parts BIGINT, created_at TIMESTAMP"),
+              "dataset_name VARCHAR, label VARCHAR, method VARCHAR, parts BIGINT, created_at TIMESTAMP, platform VARCHAR"),
         _cols("fp VARCHAR, dataset VARCHAR, partition VARCHAR, strategy VARCHAR, model VARCHAR, setting VARCHAR, "
               "test_acc DOUBLE, val_acc DOUBLE, total_bytes BIGINT, sim_comm_s DOUBLE, wall_s DOUBLE, status VARCHAR, "
-              "dataset_name VARCHAR, label VARCHAR, method VARCHAR, parts BIGINT, created_at TIMESTAMP"),
+              "dataset_name VARCHAR, label VARCHAR, method VARCHAR, parts BIGINT, created_at TIMESTAMP, platform VARCHAR"),
     ),
     ViewSpec(
         "comm_log", "parquet", "runs/run=*/comm.parquet",

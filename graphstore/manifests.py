@@ -139,6 +139,16 @@ class LayerManifest(Manifest):
     dropped_parts: list[int] = []
     recipe: dict[str, Any] = {}  # what was chosen on validation and each candidate's val score
     reused_from: str | None = None
+    platform: dict[str, Any] = {}  # where it trained: torch, device, cpu_capability, threads ({} in older stores)
+
+    @property
+    def platform_label(self) -> str:
+        """``torch 2.13.0+cpu, cpu, AVX512, 1 thread`` ('' for a layer of an older store)."""
+        p = self.platform
+        if not p:
+            return ""
+        threads = f"{p['threads']} thread" + ("s" if p["threads"] != 1 else "")
+        return f"torch {p['torch']}, {p['device']}, {p['cpu_capability']}, {threads}"
 
 
 class LayerRef(BaseModel):
@@ -178,6 +188,7 @@ class RunManifest(Manifest):
     site: int | None = None  # a run of sites: this site's rank (0 coordinates; world = parts)
     bytes_by_site: dict[str, int] = {}  # the coordinator of a run of sites: every site's bytes sent
     recipe: dict[str, Any] = {}  # {"layers": {"1": knob values, ...}}: what each layer trained with (recipe.json)
+    platform: str = ""  # where its layers trained (LayerManifest.platform_label; several joined by "; ")
 
     def accuracy(self, split: str) -> float:
         return next(float(r["accuracy"]) for r in self.evaluation if r["split"] == split)

@@ -37,6 +37,17 @@ def compute_device(requested: str, rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
+def platform(device: torch.device) -> dict[str, str | int]:
+    """Where a rank trains, as a layer's manifest records it (``LayerManifest.platform``): the torch
+    build, the device (``cpu`` or the GPU's name), the CPU's vector instruction set that torch's
+    kernels dispatch to (``AVX2``, ``AVX512``, ..) and the torch threads of this rank. The same
+    seed gives the same model only where all four are the same: float sums round differently
+    under another instruction set or another split over threads."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"torch": torch.__version__, "device": name, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads()}
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in host memory (itself when it is there already)."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()

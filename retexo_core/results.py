@@ -30,6 +30,7 @@ class LayerSummary:
     seconds: float  # wall time of the training that produced it
     dropped_parts: list[int] = field(default_factory=list)  # tma: partitions lost on the way
     recipe: dict[str, object] = field(default_factory=dict)  # chosen on validation (--normalize-features auto)
+    platform: dict[str, object] = field(default_factory=dict)  # where it trained (retexo_core.device.platform)
 
 
 class ResultSink(Protocol):

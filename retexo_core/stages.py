@@ -21,7 +21,7 @@ import torch
 from retexo_core.comm.communicator import Communicator
 from retexo_core.config import TrainConfig
 from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
-from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note
+from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note, platform
 from retexo_core.halo import VIEWS
 from retexo_core.label_skew import LabelSkew, label_skew
 from retexo_core.models import Features, HeadState, head_state
@@ -249,7 +249,7 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink, skew:
         ctx.comm.barrier_uncounted()  # every rank has written its part
         recipe = result.recipe if skew is None else {**result.recipe, "drift_correction": skew.describe()}
         summary = LayerSummary(layer, result.best_round, result.best_val, result.rounds, time.perf_counter() - started,
-                               recipe=recipe)
+                               recipe=recipe, platform=platform(ctx.device))
         if ctx.comm.rank == 0:
             state = {**result.module.state_dict(), **result.joint_hidden}
             sink.commit_layer(summary, host_state(state), history_table(ctx, layer), evaluation)
@@ -320,6 +320,6 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     for layer in layers:
         last = layer == layers[-1] and coordinator
         summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped,
-                               recipe)
+                               recipe, platform(ctx.device))
         sink.commit_layer(summary, host_state(result.blocks[layer - 1].state_dict()) if coordinator else None,
                           history_table(ctx, None) if last else None, evaluation if last else None)

@@ -69,6 +69,7 @@ def finalize_run(plan: RunPlan) -> RunManifest:
         layers=[LayerRef(layer=m.layer, fp=m.fp, reused_from=m.reused_from) for m in layers],
         code_version=code_version(plan.config.strategy), site=plan.site, bytes_by_site=by_site,
         recipe=run_recipe({m.layer: m.recipe for m in layers}),
+        platform="; ".join(dict.fromkeys(m.platform_label for m in layers if m.platform)),
     )
     with writer_lock(store, run_dir):
         for name, table in (("comm.parquet", comm), ("metrics.parquet", metrics), ("evaluation.parquet", evaluation)):

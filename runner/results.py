@@ -278,4 +278,5 @@ class RunFolder:
             options=cfg.layer_payload(summary.layer) if cfg.is_layerwise else cfg.run_payload(),
             best_round=summary.best_round, best_val=summary.best_val, rounds=summary.rounds,
             seconds=round(summary.seconds, 3), dropped_parts=summary.dropped_parts, recipe=summary.recipe,
+            platform=summary.platform,
         ), contents_synced=True)

@@ -4,20 +4,26 @@ CPU run's bytes exactly and its outputs within float tolerance (these tests skip
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import flat, run_cli
 from graphstore.layout import Store
 from graphstore.runs import read_embeddings
+from graphstore.manifests import LayerManifest, RunManifest, read_manifest
+from graphstore.sql_query import query
 from retexo_core.device import CPU, DeviceError, compute_device, layer_fits
 from retexo_core.sparse import SparseMatrix, dropout, gat_aggregate, spmm
 from graphstore.limits import gpu_estimate
 from retexo_core.config import TrainConfig
 from runner.gpus import Gpu, _selected, ranks_per_gpu, training_gpus
+from runner.launch import default_threads
 from runner.preview import gpu_memory_for, training_sizes
 from runner.plan import RunPlan
 from training_helpers import comm_log, make_tiny, small_config, train
@@ -48,6 +54,38 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_code_2(tmp_path: Path) -
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --device cuda: ") and "--device cpu" in lines[0], lines
     assert not list((store / "runs").glob("run=*/layer=*"))  # refused before any worker started
+
+
+def torch_capability(env: dict[str, str]) -> str:
+    """The CPU instruction set torch's kernels dispatch to in a fresh process with ``env``."""
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+@no_cuda
+def test_every_layer_and_run_records_where_it_trained(tmp_path: Path) -> None:
+    """Torch version, device, CPU instruction set and threads per rank decide a run's floats: the
+    manifests, ``runs.platform`` and the CLI record them, and an instruction set pinned by
+    ``ATEN_CPU_CAPABILITY`` (as one would pin it to repeat a run on another kind of CPU) is the one
+    recorded."""
+    store = tmp_path / "store"
+    assert run_cli("ingest", "synthetic", "--name", "g", "--nodes", "200", "--avg-degree", "4", store=store).returncode == 0
+    pinned = {"ATEN_CPU_CAPABILITY": "default"}  # the plain kernels: every x86 CPU has them
+    result = run_cli("train", "g", "--parts", "2", "--rounds", "2", "--recipe", "default", "--no-choose-depth",
+                     store=store, env=pinned)
+    assert result.returncode == 0, result.stderr
+    threads = default_threads(2)
+    expected = {"torch": torch.__version__, "device": "cpu", "cpu_capability": torch_capability(pinned),
+                "threads": threads}
+    assert expected["cpu_capability"] == "DEFAULT"
+    run_dir = next((store / "runs").glob("run=*"))
+    layers = [read_manifest(d, LayerManifest) for d in sorted(run_dir.glob("layer=*"))]
+    assert len(layers) == 2 and all(m.platform == expected for m in layers)
+    label = f"torch {torch.__version__}, cpu, DEFAULT, {threads} thread" + ("s" if threads != 1 else "")
+    assert read_manifest(run_dir, RunManifest).platform == label
+    assert query(Store(store), "SELECT platform FROM runs")[1] == [(label,)]
+    assert f"trained with {label}" in flat(result.stdout)
 
 
 def test_cuda_visible_devices_selects_gpus_as_cuda_does(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,6 +102,8 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
         ["training (inside workers, all layers)", round(m.wall_s, 3)],
         ["wall time of this command", round(wall, 3)],
     ])
+    if m.platform:
+        out.print(f"trained with {m.platform}")
 
 
 def show_depth_choice(choice: DepthChoice) -> None:
