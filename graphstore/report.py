@@ -98,8 +98,10 @@ def markdown_report(manifest: RunManifest, partition: PartitionManifest | None, 
                      f"halo total {partition.halo_total:,} (`{partition.fp}`)")
     else:
         lines.append("- partitions: none (centralized, one process)")
-    lines += [f"- strategy: {manifest.label}, layers {manifest.config['layers']}, hidden {manifest.config['hidden']}",
-              ""]
+    lines.append(f"- strategy: {manifest.label}, layers {manifest.config['layers']}, hidden {manifest.config['hidden']}")
+    if manifest.platform:
+        lines.append(f"- trained with {manifest.platform}")
+    lines.append("")
     lines += evaluation_table(manifest)
     lines += ["", "| traffic kind | bytes |", "|---|---|"]
     for kind, nbytes in sorted(manifest.bytes_by_kind.items()):

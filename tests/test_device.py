@@ -66,7 +66,7 @@ def torch_capability(env: dict[str, str]) -> str:
 @no_cuda
 def test_every_layer_and_run_records_where_it_trained(tmp_path: Path) -> None:
     """Torch version, device, CPU instruction set and threads per rank decide a run's floats: the
-    manifests, ``runs.platform`` and the CLI record them, and an instruction set pinned by
+    manifests, ``runs.platform``, ``retexo train``'s output and the run's report record them, and an instruction set pinned by
     ``ATEN_CPU_CAPABILITY`` (as one would pin it to repeat a run on another kind of CPU) is the one
     recorded."""
     store = tmp_path / "store"
@@ -86,6 +86,8 @@ def test_every_layer_and_run_records_where_it_trained(tmp_path: Path) -> None:
     assert read_manifest(run_dir, RunManifest).platform == label
     assert query(Store(store), "SELECT platform FROM runs")[1] == [(label,)]
     assert f"trained with {label}" in flat(result.stdout)
+    report = run_cli("report", run_dir.name.removeprefix("run="), store=store)
+    assert report.returncode == 0 and f"- trained with {label}" in report.stdout, report.stderr
 
 
 def test_cuda_visible_devices_selects_gpus_as_cuda_does(monkeypatch: pytest.MonkeyPatch) -> None:
