@@ -263,7 +263,8 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
                     else train_once(store, dataset, partition, options, model, seed, device)
                     for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
             row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
-                   "device": device, "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # its floats differ under another
+                   # the instruction set of torch's CPU kernels: another one gives other floats
+                   "device": device, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                    "val": [r["val"] for r in runs], "test": [r["test"] for r in runs],
                    "mb": statistics.mean(r["mb"] for r in runs), "seconds": time.perf_counter() - started}
             print(f"  {graph.name} {model} {variant}: val {spread(row['val'])} test {spread(row['test'])} "

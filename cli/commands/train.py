@@ -103,7 +103,7 @@ def show_run(summary: RunManifest, progress: list[LayerProgress], wall: float) -
         ["wall time of this command", round(wall, 3)],
     ])
     if m.platform:
-        out.print(f"trained with {m.platform}")
+        out.print(f"trained with {m.platform}", markup=False, highlight=False)
 
 
 def show_depth_choice(choice: DepthChoice) -> None:
