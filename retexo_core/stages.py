@@ -317,9 +317,10 @@ def run_end_to_end(ctx: WorkerContext, layers: list[int], sink: ResultSink,
     log.info("model done: best epoch %d, val acc %.4f, %d bytes sent by this rank%s", result.best_round,
              result.best_val, ctx.comm.log.total_bytes(), peak_memory_note(ctx.device))
     dropped = [p for p in range(ctx.data.num_parts) if p not in ctx.comm.members]
+    where = platform(ctx.device)
     for layer in layers:
         last = layer == layers[-1] and coordinator
         summary = LayerSummary(layer, result.best_round, result.best_val, result.epochs, seconds if last else 0.0, dropped,
-                               recipe, platform(ctx.device))
+                               recipe, where)
         sink.commit_layer(summary, host_state(result.blocks[layer - 1].state_dict()) if coordinator else None,
                           history_table(ctx, None) if last else None, evaluation if last else None)
