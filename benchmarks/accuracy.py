@@ -17,10 +17,11 @@ minesweeper; 1 for the two without splits; or ``--seeds``):
   searched on each graph's validation split), only the strategy options and the seed set.
 
 The metric is accuracy, or ROC-AUC for a two-class label; every figure is the test (and
-validation) metric of the model kept on validation. It prints mean ± standard deviation over the
-seeds, the mean megabytes sent, and the issue's inequalities per graph and model (centralized >=
-reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >= retexo - 1.5). Ranks run as
-threads of this process (``--launcher threads``: the same bytes and results as processes).
+validation) metric of the model kept on validation. It prints a line per seed as it finishes, then
+mean ± standard deviation over the seeds, the mean megabytes sent, and the issue's inequalities per
+graph and model (centralized >= reference - 0.5 point, retexo >= centralized - 1.0, avg/5 int8 >=
+retexo - 1.5). Ranks run as threads of this process (``--launcher threads``: the same bytes and
+results as processes).
 
 The suite runs each (graph, model, variant) as one of ``--jobs`` processes side by side (default:
 one per CPU this process may use), each pinned to its own CPU with one torch thread: on two cores
@@ -259,9 +260,15 @@ def measure(store: Store, graph: SuiteGraph, datasets: Path | None, models: list
         for variant in variants:
             options = ALL_VARIANTS[variant]
             started = time.perf_counter()
-            runs = [reference_once(plain, model, seed, device) if options is None
-                    else train_once(store, dataset, partition, options, model, seed, device)
-                    for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed)]
+            runs = []
+            for seed, (dataset, partition, plain) in enumerate(inputs, start=first_seed):
+                seed_started = time.perf_counter()
+                runs.append(reference_once(plain, model, seed, device) if options is None
+                            else train_once(store, dataset, partition, options, model, seed, device))
+                # a line per seed, so that an hours-long job shows its progress (and a stopped one its figures)
+                print(f"    {graph.name} {model} {variant} seed {seed}: val {runs[-1]['val']:.4f} "
+                      f"test {runs[-1]['test']:.4f} {runs[-1]['mb']:,.1f} MB "
+                      f"({time.perf_counter() - seed_started:.0f} s)", flush=True)
             row = {"graph": graph.name, "model": model, "variant": variant, "seeds": seeds, "metric": metric,
                    # the instruction set of torch's CPU kernels: another one gives other floats
                    "device": device, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -410,6 +417,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                    key=lambda t: nodes[t[0].name] * t[0].seeds(args.seeds) * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
     running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
+    shown: dict[Path, int] = {}  # a job's log -> how many of its lines were looked at for per-seed lines
     failed, rows = [], []
     while tasks or running:
         while tasks and free:
@@ -426,6 +434,13 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
             with log.open("w") as out:
                 running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
         time.sleep(1)
+        for _, _, _, log in running.values():  # each job's per-seed lines as they come
+            text = log.read_text()
+            lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
+            for line in lines[shown.get(log, 0):]:
+                if line.startswith("    "):
+                    print(line, flush=True)
+            shown[log] = len(lines)
         for process in [p for p in running if p.poll() is not None]:
             cpu, graph_name, name, log = running.pop(process)
             free.append(cpu)

@@ -52,7 +52,7 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     out = tmp_path / "rows.json"
     result = accuracy("--graph", f"mine={split}", "--graph", str(drawn), "--graph", "ring", "--models", "gcn",
                       "--variants", "reference,centralized", "--seeds", "3", "--partition", "metis", "--parts", "2",
-                      "--jobs", "1", "--store", str(store), "--out", str(out))
+                      "--jobs", "2", "--store", str(store), "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())
     assert {(r["graph"], r["variant"]) for r in rows} == {(g, v) for g in ("mine", "no_split", "ring")
@@ -65,6 +65,11 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     assert stored == ["name=mine", "name=mine_split1", "name=no_split", "name=ring"]
     for graph in ("mine", "no_split", "ring"):
         assert f"| {graph} | gcn | centralized − reference " in result.stdout
+    # one progress line per trained seed, with the figures the rows keep
+    for row in rows:
+        for seed, (val, test) in enumerate(zip(row["val"], row["test"])):
+            assert (f"    {row['graph']} gcn {row['variant']} seed {seed}: val {val:.4f} test {test:.4f} "
+                    in result.stdout), result.stdout
     partitions = [json.loads(m.read_text()) for m in (store / "partitions").glob("*/*/manifest.json")]
     assert len(partitions) == 4 and all((m["method"], m["parts"]) == ("metis", 2) for m in partitions)
 
