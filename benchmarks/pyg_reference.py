@@ -146,7 +146,8 @@ def input_dropout(h: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     if h.layout != torch.sparse_csr:
         return F.dropout(h, rate, training)
     values = F.dropout(h.values(), rate, training)
-    return torch.sparse_csr_tensor(h.crow_indices(), h.col_indices(), values, h.shape)
+    # h's own indices, valid by construction: unchecked, as retexo_core.sparse builds its CSR tensors
+    return torch.sparse_csr_tensor(h.crow_indices(), h.col_indices(), values, h.shape, check_invariants=False)
 
 
 def train_plain(graph: PlainGraph, model: Model, hidden: int, recipe: PlainRecipe, seed: int = 0, heads: int = 4,
