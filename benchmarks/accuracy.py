@@ -434,6 +434,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
             with log.open("w") as out:
                 running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
         time.sleep(1)
+        finished = [p for p in running if p.poll() is not None]  # before the logs are read: theirs are whole
         for _, _, _, log in running.values():  # each job's per-seed lines as they come
             text = log.read_text()
             lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
@@ -441,7 +442,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                 if line.startswith("    "):
                     print(line, flush=True)
             shown[log] = len(lines)
-        for process in [p for p in running if p.poll() is not None]:
+        for process in finished:
             cpu, graph_name, name, log = running.pop(process)
             free.append(cpu)
             lines = log.read_text().splitlines()
