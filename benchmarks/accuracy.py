@@ -417,7 +417,7 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                    key=lambda t: nodes[t[0].name] * t[0].seeds(args.seeds) * (2 if t[1] == "gat" else 1))
     free = sorted(os.sched_getaffinity(0))[:args.jobs]
     running: dict[subprocess.Popen, tuple[int, str, str, Path]] = {}  # process -> CPU, graph, job name, log
-    shown: dict[Path, int] = {}  # a job's log -> how many of its lines were looked at for per-seed lines
+    shown: dict[Path, int] = {}  # a job's log -> how many of its lines were looked at
     failed, rows = [], []
     while tasks or running:
         while tasks and free:
@@ -435,20 +435,19 @@ def run_jobs(args: argparse.Namespace, graphs: list[SuiteGraph], models: list[st
                 running[subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)] = (cpu, graph.name, name, log)
         time.sleep(1)
         finished = [p for p in running if p.poll() is not None]  # before the logs are read: theirs are whole
-        for _, _, _, log in running.values():  # each job's per-seed lines as they come
+        for _, graph_name, _, log in running.values():  # each job's per-seed and summary lines as they come
             text = log.read_text()
             lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
             for line in lines[shown.get(log, 0):]:
-                if line.startswith("    "):
+                if line.startswith("  ") and line.lstrip(" ").startswith(f"{graph_name} "):
                     print(line, flush=True)
             shown[log] = len(lines)
         for process in finished:
-            cpu, graph_name, name, log = running.pop(process)
+            cpu, _, name, log = running.pop(process)
             free.append(cpu)
-            lines = log.read_text().splitlines()
-            print("\n".join(line for line in lines if line.startswith(f"  {graph_name} ")), flush=True)
             if process.returncode != 0:
                 failed.append(name)
+                lines = log.read_text().splitlines()
                 print(f"{name} failed (exit {process.returncode}):\n" + "\n".join(lines[-15:]), flush=True)
                 continue
             rows += json.loads((folder / f"{name}.json").read_text())

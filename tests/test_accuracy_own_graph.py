@@ -65,8 +65,9 @@ def test_own_graphs_train_every_variant_per_split_or_seed_and_print_the_checks(t
     assert stored == ["name=mine", "name=mine_split1", "name=no_split", "name=ring"]
     for graph in ("mine", "no_split", "ring"):
         assert f"| {graph} | gcn | centralized − reference " in result.stdout
-    # one progress line per trained seed, with the figures the rows keep
+    # one progress line per trained seed, with the figures the rows keep, and each job's summary line
     for row in rows:
+        assert f"\n  {row['graph']} gcn {row['variant']}: val " in result.stdout, result.stdout
         for seed, (val, test) in enumerate(zip(row["val"], row["test"])):
             assert (f"    {row['graph']} gcn {row['variant']} seed {seed}: val {val:.4f} test {test:.4f} "
                     in result.stdout), result.stdout
