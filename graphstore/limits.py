@@ -121,6 +121,7 @@ class TrainingSizes:
     heads: int = 1
     layerwise: bool = True
     joint: bool = False  # the last two layers train together after the greedy layers (retexo_core/strategies/joint.py)
+    two_hop: bool = False  # GAT's pair: also the halo's in-edges and their sources' rows (retexo_core/two_hop.py)
 
     def worker_data(self) -> float:
         """Bytes one worker holds of the graph and the model, wherever it computes (see
@@ -132,10 +133,11 @@ class TrainingSizes:
         if self.layerwise:
             rows = owned * ROW_COPIES * width + halo / max(self.workers - 1, 1) * width
             if self.joint:  # then layer L-1 runs at every owned and halo row, end to end with layer L
-                rows = max(rows, (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES))
+                sources = halo * 2 if self.two_hop else halo  # GAT: about as many two-hop rows as halo rows
+                rows = max(rows, (owned + sources) * width * (ROW_COPIES + ACTIVATION_COPIES))
         else:
             rows = (owned + halo) * width * (ROW_COPIES + ACTIVATION_COPIES * max(self.layers - 1, 0))
-        graph = self.edges * share * 1.1 * (EDGE_BYTES + 4 * self.heads)
+        graph = self.edges * share * 1.1 * (EDGE_BYTES + 4 * self.heads) * (2 if self.two_hop else 1)
         model = (self.features * self.hidden + max(self.layers - 1, 0) * self.hidden * self.hidden) * 4 * ADAM_COPIES
         transpose = (self.features + 1) * 8 if self.sparse else 0
         return rows + graph + model + transpose
@@ -155,7 +157,9 @@ def training_estimate(sizes: TrainingSizes, on_gpu: bool = False) -> Estimate:
     (``COMMAND_BASE``). Calibrated on ``benchmarks/scale.py`` (100k to 1M nodes, 8 workers, GCN and
     SAGE; see docs/scale.md). Workers that compute ``on_gpu`` also hold the CUDA runtime's host
     memory (``CUDA_HOST`` each). Where the last two layers train together (``joint``), layer L-1
-    runs at every owned and halo row with layer L, so those rows count as end to end.
+    runs at every owned and halo row with layer L, so those rows count as end to end; GAT's pair
+    (``two_hop``) also holds the halo's in-edges (counted as the owned nodes' again) and their
+    sources' rows (counted as many as the halo's).
     """
     per_worker = WORKER_BASE + sizes.worker_data() + (CUDA_HOST if on_gpu else 0)
     advice = "use more parts over several machines (--nnodes), a smaller --hidden, or fewer input features"

@@ -117,10 +117,11 @@ class TrainConfig(BaseModel):
                                      "(comma list on the command line); 0 only with warm_start.", scope="per_layer",
                                      strategies=LAYERWISE)
     joint_rounds: int | None = option(
-        None, "Layer-wise GCN / SAGE (task node, transductive, full batch): after the last layer, train the last "
-        "two layers together for this many rounds (default: the last layer's rounds) from their greedy parameters, "
-        "from one more halo exchange (layer L-1's aggregated inputs of the halo nodes) and the usual gradient sync "
-        "or averaging; the pair replaces the greedy model only where it scores higher on validation. 0: off. See "
+        None, "Layer-wise training (task node, transductive, full batch): after the last layer, train the last "
+        "two layers together for this many rounds from their greedy parameters, from one more halo exchange (GCN / "
+        "SAGE: layer L-1's aggregated inputs of the halo nodes; GAT: the halo nodes' in-edges and their sources' "
+        "inputs) and the usual gradient sync or averaging; the pair replaces the greedy model only where it scores "
+        "higher on validation. Default: the last layer's rounds for GCN and SAGE, off (0) for GAT. 0: off. See "
         "docs/training.md, the last two layers together.", scope="last", strategies=LAYERWISE, ge=0)
     joint_fresh: bool | None = option(
         None, "With the last two layers trained together (joint_rounds): then also train the pair from the layers' "
@@ -350,15 +351,18 @@ class TrainConfig(BaseModel):
 
     @property
     def last_two_rounds(self) -> int:
-        """Rounds of the last two layers together: ``joint_rounds``, or the last layer's rounds."""
-        return self.layer_rounds(self.layers) if self.joint_rounds is None else self.joint_rounds
+        """Rounds of the last two layers together: ``joint_rounds``, or the last layer's rounds (GCN
+        and SAGE; GAT's pair trains only when ``joint_rounds`` is given)."""
+        if self.joint_rounds is not None:
+            return self.joint_rounds
+        return 0 if self.model == "gat" else self.layer_rounds(self.layers)
 
     @property
     def trains_jointly(self) -> bool:
         """Whether the last two layers train together after the greedy layers
-        (``strategies/joint.py``): ``last_two_rounds`` > 0, layer-wise GCN or SAGE with two layers or
-        more, task node, transductive, full batch, over a halo (not the isolated strategies)."""
-        return (self.last_two_rounds > 0 and self.is_layerwise and self.model in ("gcn", "sage") and self.layers >= 2
+        (``strategies/joint.py``): ``last_two_rounds`` > 0, layer-wise with two layers or more, task
+        node, transductive, full batch, over a halo (not the isolated strategies)."""
+        return (self.last_two_rounds > 0 and self.is_layerwise and self.layers >= 2
                 and self.task == "node" and self.setting == "transductive" and self.batch_size is None
                 and not self.strategy_spec.isolated)
 

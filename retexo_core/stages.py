@@ -183,7 +183,7 @@ def stored_head(ctx: WorkerContext, sink: ResultSink, layer: int) -> HeadState:
 def stored_hidden(ctx: WorkerContext, sink: ResultSink, layer: int) -> HiddenLayer:
     """Layer ``layer`` (L-1) as stored, for a launch that starts at the last layer and trains the last
     two together: its recipe from its manifest, its parameters from rank 0 (one flat float32
-    message to each rank), and its aggregated inputs from its inputs and its halo exchange, made
+    message to each rank), and its (aggregated) inputs from its inputs and its halo exchange, made
     again (logged at layer ``layer`` in this launch's log)."""
     knobs = {k: v for k, v in sink.stored_recipe(layer).items() if k in KNOB_NAMES}
     mine = dataclasses.replace(ctx, config=apply_knobs(ctx.config, layer, knobs, end_to_end=False))
@@ -199,7 +199,7 @@ def stored_hidden(ctx: WorkerContext, sink: ResultSink, layer: int) -> HiddenLay
     module.load_state_dict({k: part.view(s) for (k, s), part in zip(shapes.items(), parts)})
     inputs = LayerInputs.exchanged(mine, layer, ctx.config.model, own, [features_transform(ctx.config, knobs)],
                                    keep_own=bool(mine.config.skip))[0]
-    return hidden_layer(module, mine.config, inputs.aggregated["full"])
+    return hidden_layer(module, mine.config, inputs)
 
 
 def with_last_two_together(ctx: WorkerContext, result: LayerResult, hidden: HiddenLayer) -> LayerResult:

@@ -141,6 +141,9 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
                           f"tolerated failures); {config.strategy} needs a central partition")
     if config.choose_depth:
         raise RetexoError("sites train one depth: choose it on a central copy, or train both depths with --layers")
+    if config.model == "gat" and config.trains_jointly:
+        raise RetexoError("sites do not train GAT's last two layers together: its exchange would pass on rows a "
+                          "site received from another; drop --joint-rounds")
     # the defaults at sites: one depth, and no fresh pair (a site's split is not the graph's)
     config = config.model_copy(update={"choose_depth": False, "joint_fresh": bool(config.joint_fresh)})
     if not 0 <= site < sites:

@@ -60,7 +60,8 @@ def training_sizes(dataset: DatasetRef, config: TrainConfig, world: int, halo_to
         nodes=manifest.num_nodes, edges=manifest.num_edges, features=manifest.num_features, feature_bytes=features,
         sparse=manifest.feature_format == "sparse", hidden=config.hidden, layers=config.layers,
         workers=max(world, 1), halo_nodes=halo_total, heads=config.heads if config.model == "gat" else 1,
-        layerwise=config.is_layerwise, joint=config.trains_jointly)
+        layerwise=config.is_layerwise, joint=config.trains_jointly,
+        two_hop=config.trains_jointly and config.model == "gat")
 
 
 def memory_for(dataset: DatasetRef, config: TrainConfig, world: int, halo_total: int, local_ranks: int,

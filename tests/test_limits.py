@@ -161,6 +161,8 @@ def test_estimates_grow_with_their_inputs() -> None:
     assert cora < 3 * 2**30  # Cora in 4 workers: 2.36 GB measured for the tree (0.51 GB its largest process)
     assert training_estimate(TrainingSizes(**{**base, "hidden": 512})).bytes > cora
     assert training_estimate(TrainingSizes(**{**base, "features": 100_000_001})).bytes > 100 * 2**30
+    joint = training_estimate(TrainingSizes(**{**base, "joint": True})).bytes
+    assert cora < joint < training_estimate(TrainingSizes(**{**base, "joint": True, "two_hop": True})).bytes
     on_gpu = gpu_estimate(TrainingSizes(**base), "NVIDIA H100", ranks=4)
     assert on_gpu.what == "training 4 rank(s) on NVIDIA H100"
     assert on_gpu.bytes == int(4 * (CUDA_CONTEXT + TrainingSizes(**base).worker_data()))

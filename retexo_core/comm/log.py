@@ -9,7 +9,7 @@ import pyarrow as pa
 # Every kind of traffic between workers, in the order of byte tables and of a site's byte totals
 # (the one declaration: the benchmarks' columns and the communicator's codecs derive from it).
 KINDS = ("halo_features", "halo_embeddings", "halo_grads", "grad_sync", "model_sync", "control", "secure_agg",
-         "link_rows", "halo_aggregates")
+         "link_rows", "halo_aggregates", "two_hop_rows")
 # The kinds a ``--compression`` codec may encode: every kind but ``control`` (counts, ids, metrics,
 # agreement) and ``secure_agg`` (pairwise seeds, and the excess of masked fixed-point sums), which
 # are always sent raw.

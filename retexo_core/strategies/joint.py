@@ -1,4 +1,4 @@
-"""The last two layers of a layer-wise GCN or SAGE run trained together, after the greedy layers.
+"""The last two layers of a layer-wise run trained together, after the greedy layers.
 
 Greedy layer-wise training fits layer L-1 to its auxiliary head, never to what layer L makes of it;
 on some graphs that costs a point or two (docs/accuracy-layerwise.md, "The last two layers together"). The
@@ -20,8 +20,13 @@ pass every 5 rounds often misses, and a pass costs one forward pass and one all-
 counts, no halo traffic. With model averaging it validates every ``eval_every`` rounds, as the
 layers do (by default the averaging points, where the ranks hold one model). With ``joint_fresh``
 the pair then trains again from the layers' initial parameters (``fresh_pair``), as many rounds on
-the same rows, and the best on validation of the three is kept. GAT cannot: attention at a halo
-node needs that node's neighbours' inputs.
+the same rows, and the best on validation of the three is kept.
+
+GAT (``GatPair``, on when ``joint_rounds`` is given): attention at a halo node u reads u's
+in-neighbours' inputs with weights that depend on the parameters, so no aggregate serves every
+round. Its one extra exchange (``retexo_core.two_hop``) is u's in-edges and the inputs of their
+sources that the rank does not hold; then each round a rank computes layer L-1 at its owned and
+halo rows from them, exactly as their owners would.
 """
 
 from __future__ import annotations
@@ -38,14 +43,15 @@ from torch import nn
 
 from retexo_core.config import TrainConfig
 from retexo_core.exchange import exchange_rows, stack_rows
-from retexo_core.models import Aggregated, Block, Features, LayerWithHead, seeded
+from retexo_core.models import Aggregated, Block, Features, LayerWithHead, LocalGraph, seeded
 from retexo_core.sparse import SparseMatrix, spmm
 from retexo_core.strategies.common import (
     BestState, DriftCorrection, WorkerContext, average_parameters, split_stats, sync_gradients, validate,
 )
+from retexo_core.two_hop import TwoHop, two_hop
 
 if TYPE_CHECKING:
-    from retexo_core.strategies.retexo import LayerFit
+    from retexo_core.strategies.retexo import LayerFit, LayerInputs
 
 log = logging.getLogger("retexo.train")
 KIND = "halo_aggregates"
@@ -58,7 +64,7 @@ class HiddenLayer:
 
     module: LayerWithHead
     config: TrainConfig  # its candidate's configuration (the recipe it trained with)
-    inputs: Aggregated  # (n, d) its frozen aggregated inputs of the owned nodes
+    inputs: Aggregated | Features  # GCN / SAGE: (n, d) frozen aggregated inputs of the owned nodes; GAT: (n + h, d) local inputs
 
 
 @dataclass
@@ -74,11 +80,16 @@ class JointResult:
 
 
 class Pair(nn.Module):
-    """Layer L-1's block and layer L's module, whose parameters are synchronised as one."""
+    """Layer L-1's block and layer L's module, whose parameters are synchronised as one (GCN, SAGE)."""
 
     def __init__(self, hidden: LayerWithHead, last: LayerWithHead):
         super().__init__()
         self.hidden, self.last = hidden.block, last
+
+    @staticmethod
+    def rows(graph: LocalGraph, targets: torch.Tensor) -> SparseMatrix:
+        """The owned ``targets``' rows of the local graph: (t, N) adjacency."""
+        return graph.adj.select_rows(targets)
 
     def logits(self, inputs: Aggregated, adj: SparseMatrix, targets: torch.Tensor, gen: torch.Generator | None = None
                ) -> torch.Tensor:
@@ -88,15 +99,40 @@ class Pair(nn.Module):
         return self.last.logits(self.last.block.from_aggregated(Aggregated(spmm(adj, h), h[targets]), gen), gen)
 
 
-def halo_aggregates(ctx: WorkerContext, owned: Aggregated) -> Aggregated:
-    """The one extra exchange: layer L-1's aggregated inputs of every halo node, sent by its owner;
-    (n + h, d) rows, owned first. Logged at layer L, round -1."""
+class GatPair(Pair):
+    """GAT: layer L-1 propagates over the owned and halo nodes' in-edges in every round."""
+
+    @staticmethod
+    def rows(graph: LocalGraph, targets: torch.Tensor) -> LocalGraph:  # type: ignore[override]
+        """The local graph of the owned ``targets`` only (t, N)."""
+        return graph.restrict(targets)
+
+    def logits(self, inputs: TwoHop, graph: LocalGraph, targets: torch.Tensor,  # type: ignore[override]
+               gen: torch.Generator | None = None) -> torch.Tensor:
+        """(t, classes) logits of the owned ``targets`` (``graph``: their rows of the local graph)
+        from layer L-1's inputs of the owned, halo and two-hop rows and its graph (``TwoHop``)."""
+        h = self.hidden(inputs.x, inputs.graph, gen)  # (n + h, hidden): owned rows, then the halo's
+        return self.last.logits(self.last.block(h, graph, gen), gen)
+
+
+def make_pair(hidden: LayerWithHead, last: LayerWithHead) -> Pair:
+    """The pair of ``hidden``'s and ``last``'s blocks, for their model."""
+    return (GatPair if hidden.block.model == "gat" else Pair)(hidden, last)
+
+
+def pair_inputs(ctx: WorkerContext, hidden: HiddenLayer) -> Aggregated | TwoHop:
+    """The one extra exchange, logged at layer L, round -1. GCN / SAGE: layer L-1's aggregated
+    inputs of every halo node, sent by its owner ((n + h, d) rows, owned first). GAT: the halo
+    nodes' in-edges and the rows of their sources (``retexo_core.two_hop``)."""
     comm, plan = ctx.comm, ctx.plans["full"]
     comm.layer, comm.epoch = ctx.config.layers, -1
+    if not isinstance(hidden.inputs, Aggregated):
+        return two_hop(comm, ctx.data, plan, hidden.inputs, ctx.device)
 
     def rows(x: Features) -> Features:
         return stack_rows(x, exchange_rows(comm, plan, x, KIND))
 
+    owned = hidden.inputs
     return Aggregated(rows(owned.neigh), None if owned.own is None else rows(owned.own))
 
 
@@ -112,10 +148,11 @@ def fresh_pair(hidden: LayerWithHead, last: LayerWithHead, seed: int, layer: int
 
     def block_like(block: Block, seed: int) -> Block:
         conv = block.conv
-        in_dim = (conv.lin if block.model == "gcn" else conv.lin_l).weight.shape[1]
+        in_dim = (conv.lin_l if block.model == "sage" else conv.lin).weight.shape[1]
         with seeded(seed):
-            return Block(block.model, in_dim, block.out_dim, 1, hidden.block.p, block.last,
-                         norm=block.norm is not None, skip=block.skip is not None).to(device)
+            return Block(block.model, in_dim, block.out_dim, getattr(conv, "heads", 1), hidden.block.p, block.last,
+                         norm=block.norm is not None, skip=block.skip is not None,
+                         attention_dropout=hidden.block.attention_p).to(device)
 
     fresh_hidden = LayerWithHead(block_like(hidden.block, seed * 1000 + layer - 1), classes)
     fresh_last = LayerWithHead(block_like(last.block, seed * 1000 + layer), classes)
@@ -123,7 +160,7 @@ def fresh_pair(hidden: LayerWithHead, last: LayerWithHead, seed: int, layer: int
     if skip is not None and hidden.block.skip is None:
         torch.nn.init.zeros_(skip.weight)
         skip.weight.requires_grad_(False)
-    return Pair(fresh_hidden, fresh_last)
+    return make_pair(fresh_hidden, fresh_last)
 
 
 def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead, last_config: TrainConfig,
@@ -133,11 +170,11 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
     parameters as many rounds; see the module docstring."""
     cfg, layer = ctx.config, ctx.config.layers
     started = time.perf_counter()
-    inputs = halo_aggregates(ctx, hidden.inputs)
-    pair = Pair(copy.deepcopy(hidden.module), copy.deepcopy(last))
-    adj = ctx.graphs["full"].adj
+    inputs = pair_inputs(ctx, hidden)
+    pair = make_pair(copy.deepcopy(hidden.module), copy.deepcopy(last))
+    graph = ctx.graphs["full"]
     eval_rows = ctx.eval_rows
-    eval_adj = adj.select_rows(eval_rows)
+    eval_adj = pair.rows(graph, eval_rows)
     rounds, start = cfg.last_two_rounds, cfg.layer_rounds(layer)
     best = BestState()
     pair.eval()
@@ -161,7 +198,8 @@ def train_last_two(ctx: WorkerContext, hidden: HiddenLayer, last: LayerWithHead,
     if replaces:
         best.restore(kept)
         with torch.no_grad():
-            logits = kept.logits(inputs, adj, torch.arange(ctx.data.num_owned, device=ctx.device))
+            owned = torch.arange(ctx.data.num_owned, device=ctx.device)
+            logits = kept.logits(inputs, pair.rows(graph, owned), owned)
     summary |= {"best_round": best.round if replaces else None, "best_val": best.accuracy, "start_val": start_val,
                 "model": model, "seconds": round(time.perf_counter() - started, 3)}
     log.info("layers %d-%d together: best val %.4f at round %d, the greedy model's %.4f: %s", layer - 1,
@@ -178,7 +216,7 @@ def rates(config: TrainConfig, layer: int) -> tuple[float, float]:
 
 
 def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, float], tuple[float, float]],
-               inputs: Aggregated, best: BestState, first_round: int, stream: int) -> int:
+               inputs: Aggregated | TwoHop, best: BestState, first_round: int, stream: int) -> int:
     """Train ``pair`` for ``ctx.config.last_two_rounds`` rounds numbered from ``first_round`` (the
     comm log's epochs) with dropout drawn from ``stream``, each layer with its (learning rate,
     weight decay) of ``layer_rates``, offering its validated rounds to ``best``; returns the rounds
@@ -188,9 +226,9 @@ def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, f
                                    "weight_decay": decay}
                                   for part, (lr, decay) in zip((pair.hidden, pair.last), layer_rates, strict=True)],
                                  fused=True)
-    adj = ctx.graphs["full"].adj
+    graph = ctx.graphs["full"]
     train_rows, eval_rows = ctx.train_rows, ctx.eval_rows
-    train_adj, eval_adj = adj.select_rows(train_rows), adj.select_rows(eval_rows)
+    train_adj, eval_adj = pair.rows(graph, train_rows), pair.rows(graph, eval_rows)
     gen = ctx.generator(stream)
     divisor = max(ctx.train_count if cfg.sync == "grad" else ctx.local_train, 1)
     share = ctx.local_train / max(ctx.train_count, 1)
@@ -227,14 +265,18 @@ def train_pair(ctx: WorkerContext, pair: Pair, layer_rates: tuple[tuple[float, f
     return round_ + 1
 
 
-def hidden_layer(module: LayerWithHead, config: TrainConfig, aggregated: Aggregated) -> HiddenLayer:
-    """Layer L-1 with the aggregated inputs its block reads: the node's own rows only where it has a
-    skip connection or is SAGE (the inputs may hold them for another recipe candidate)."""
+def hidden_layer(module: LayerWithHead, config: TrainConfig, prepared: LayerInputs) -> HiddenLayer:
+    """Layer L-1 with the inputs its block reads: GAT its local inputs; GCN / SAGE the aggregated
+    inputs, with the node's own rows only where it has a skip connection or is SAGE (the inputs may
+    hold them for another recipe candidate)."""
     block = module.block
+    if block.model == "gat":
+        return HiddenLayer(module, config, prepared.inputs["full"])  # type: ignore[index]
+    aggregated = prepared.aggregated["full"]
     reads_own = block.model == "sage" or block.skip is not None
     return HiddenLayer(module, config, Aggregated(aggregated.neigh, aggregated.own if reads_own else None))
 
 
 def hidden_of(fit: LayerFit) -> HiddenLayer:
     """Layer L-1's ``HiddenLayer`` from its kept fit."""
-    return hidden_layer(fit.module, fit.ctx.config, fit.prepared.aggregated["full"])
+    return hidden_layer(fit.module, fit.ctx.config, fit.prepared)
