@@ -121,7 +121,8 @@ class TrainConfig(BaseModel):
         "two layers together for this many rounds from their greedy parameters, from one more halo exchange (GCN / "
         "SAGE: layer L-1's aggregated inputs of the halo nodes; GAT: the halo nodes' in-edges and their sources' "
         "inputs) and the usual gradient sync or averaging; the pair replaces the greedy model only where it scores "
-        "higher on validation. Default: the last layer's rounds for GCN and SAGE, off (0) for GAT. 0: off. See "
+        "higher on validation. Default: the last layer's rounds for GCN and SAGE, and for GAT where fewer than "
+        f"{SCARCE_LABELS:.0%} of the nodes are in the train split (scarce labels; off elsewhere and at sites). 0: off. See "
         "docs/training.md, the last two layers together.", scope="last", strategies=LAYERWISE, ge=0)
     joint_fresh: bool | None = option(
         None, "With the last two layers trained together (joint_rounds): then also train the pair from the layers' "
@@ -352,7 +353,8 @@ class TrainConfig(BaseModel):
     @property
     def last_two_rounds(self) -> int:
         """Rounds of the last two layers together: ``joint_rounds``, or the last layer's rounds (GCN
-        and SAGE; GAT's pair trains only when ``joint_rounds`` is given)."""
+        and SAGE; GAT's pair trains only when ``joint_rounds`` is set, which planning does where
+        labels are scarce: ``runner.plan.resolve_joint``)."""
         if self.joint_rounds is not None:
             return self.joint_rounds
         return 0 if self.model == "gat" else self.layer_rounds(self.layers)

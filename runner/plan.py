@@ -95,20 +95,25 @@ def resolve_warm_start(store: Store, dataset: DatasetRef, config: TrainConfig) -
     return config.model_copy(update=update)
 
 
-def resolve_joint_fresh(dataset: DatasetRef, config: TrainConfig) -> TrainConfig:
-    """``config`` with ``joint_fresh`` decided where it is unset: on where the last two layers train
-    together and fewer than ``SCARCE_LABELS`` of the dataset's nodes are in its train split (its
-    manifest's count), off otherwise. Fingerprinted as the explicit flag."""
+def resolve_joint(dataset: DatasetRef, config: TrainConfig) -> TrainConfig:
+    """``config`` with the last two layers' defaults decided where they are unset, by whether labels
+    are scarce (fewer than ``SCARCE_LABELS`` of the dataset's nodes in its train split, its
+    manifest's count): GAT's pair (``joint_rounds``) trains the last layer's rounds where they are
+    and not otherwise; ``joint_fresh`` is on where the pair trains and they are. Fingerprinted as
+    the explicit options."""
+    scarce = dataset.manifest.splits.get("train", 0) < SCARCE_LABELS * dataset.num_nodes
+    if config.model == "gat" and config.joint_rounds is None and scarce:
+        paired = config.model_copy(update={"joint_rounds": config.layer_rounds(config.layers)})
+        config = paired if paired.trains_jointly else config  # layer-wise, node task, transductive, full batch
     if config.joint_fresh is not None:
         return config
-    scarce = dataset.manifest.splits.get("train", 0) < SCARCE_LABELS * dataset.num_nodes
     return config.model_copy(update={"joint_fresh": config.trains_jointly and scarce})
 
 
 def plan_run(store: Store, dataset: DatasetRef, partition: PartitionRef | None, config: TrainConfig,
              network: NetworkModel) -> RunPlan:
     """Fingerprints of the run and of each layer; centralized runs read the whole dataset."""
-    config = resolve_joint_fresh(dataset, resolve_warm_start(store, dataset, config))
+    config = resolve_joint(dataset, resolve_warm_start(store, dataset, config))
     whole = config.strategy_spec.whole_graph
     if not whole and partition is None:
         raise RetexoError(f"strategy {config.strategy} needs a partition")
@@ -144,8 +149,9 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
     if config.model == "gat" and config.trains_jointly:
         raise RetexoError("sites do not train GAT's last two layers together: its exchange would pass on rows a "
                           "site received from another; drop --joint-rounds")
-    # the defaults at sites: one depth, and no fresh pair (a site's split is not the graph's)
-    config = config.model_copy(update={"choose_depth": False, "joint_fresh": bool(config.joint_fresh)})
+    # the defaults at sites: one depth, no fresh pair (a site's split is not the graph's), no GAT pair
+    update = {"choose_depth": False, "joint_fresh": bool(config.joint_fresh)}
+    config = config.model_copy(update={**update, **({"joint_rounds": 0} if config.model == "gat" else {})})
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
     plan = plan_run(store, dataset, partition, config, network)

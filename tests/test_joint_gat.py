@@ -7,7 +7,8 @@ On real Cora in 4 random parts:
   does, and the exchange's bytes are those counted from the partitions' edge and halo lists;
 - a run with ``joint_rounds`` starts the pair from the greedy model (the same validation score,
   computed from the exchanged rows) and sends layer 2's rows of the two-hop sources once;
-- GAT's pair is off unless asked for, and sites refuse it.
+- GAT's pair is off unless asked for or planned where labels are scarce
+  (``test_joint_training.py``), and sites refuse it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -100,19 +102,30 @@ def manifest(plan, layer: int) -> dict:
 
 
 def test_a_gat_run_trains_the_pair_from_the_greedy_model_after_one_exchange_of_two_hop_rows(cora, parts) -> None:
+    """5: every layer in one launch; 0: layers 1-2 reused from it, greedy; 6: the launch starts at
+    layer 3 and rebuilds layer 2's inputs from the store (its halo exchange made again)."""
     config = dict(model="gat", hidden=HIDDEN, heads=2, layers=3, rounds=[4, 3, 3], lr=0.05)
     plans = {rounds: train(cora.store, cora.dataset, cora.partitions["random"],
-                           small_config(**config, joint_rounds=rounds, joint_fresh=rounds > 0)) for rounds in (0, 5)}
-    greedy, joint = manifest(plans[0], 3), manifest(plans[5], 3)["recipe"]["joint"]
+                           small_config(**config, joint_rounds=rounds, joint_fresh=rounds > 0)) for rounds in (5, 0, 6)}
+    greedy = manifest(plans[0], 3)
     assert "joint" not in greedy["recipe"]
-    assert joint["start_val"] == greedy["best_val"]
-    assert joint["rounds"] == joint["fresh_rounds"] == 5  # no patience: every round trains
-    assert joint["best_val"] >= joint["start_val"]
+    for rounds in (5, 6):
+        joint = manifest(plans[rounds], 3)["recipe"]["joint"]
+        assert joint["start_val"] == greedy["best_val"]
+        assert joint["rounds"] == joint["fresh_rounds"] == rounds  # no patience: every round trains
+        assert joint["best_val"] >= joint["start_val"]
+        assert comm_log(plans[rounds])["two_hop_rows"] == sum(len(f) for f in far_sources(parts)) * HIDDEN * 4
     assert "two_hop_rows" not in comm_log(plans[0])
-    assert comm_log(plans[5])["two_hop_rows"] == sum(len(f) for f in far_sources(parts)) * HIDDEN * 4
+
+    def pair_rounds(plan) -> list[dict]:
+        table = pq.read_table(plan.store.run_dir(plan.run_fp) / "layer=3" / "metrics.parquet").to_pylist()
+        return [r for r in table if 3 <= r["round"] < 3 + 5]  # the pair's first 5 rounds, after the greedy 3
+
+    assert pair_rounds(plans[6]) == pair_rounds(plans[5]) and len(pair_rounds(plans[5])) == 5 * 3
 
 
 def test_gats_pair_is_off_unless_asked_for_and_sites_refuse_it(cora) -> None:
+    """The configuration alone (before planning decides by the labels): off unless given."""
     assert not TrainConfig(model="gat").trains_jointly
     assert TrainConfig(model="gat", joint_rounds=5).trains_jointly
     assert TrainConfig(model="gcn").trains_jointly

@@ -122,33 +122,45 @@ def test_a_warm_start_with_no_rounds_evaluates_the_kept_pair(runs, cora) -> None
         np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
 
 
-def test_the_fresh_pair_is_on_by_default_where_labels_are_scarce(cora, tiny) -> None:
-    """Unset, ``joint_fresh`` is decided when the run is planned: on where the pair trains and fewer
-    than 10 % of the nodes are in the train split (Cora's public split: 140 of 2,708), off where
-    the pair does not train (GAT, ``joint_rounds`` 0, end to end), where half the nodes train
-    (``tiny``), and at sites; the run is fingerprinted as with the flag given explicitly."""
+def test_the_fresh_pair_and_gats_pair_are_on_by_default_where_labels_are_scarce(cora, tiny) -> None:
+    """Unset, ``joint_fresh`` and GAT's ``joint_rounds`` are decided when the run is planned: where
+    fewer than 10 % of the nodes are in the train split (Cora's public split: 140 of 2,708) GAT's
+    pair trains the last layer's rounds, and the fresh pair is on wherever the pair trains; off
+    where the pair does not train (``joint_rounds`` 0, end to end), where half the nodes train
+    (``tiny``: GAT's pair too), and at sites; the run is fingerprinted as with the options given
+    explicitly."""
 
     def planned(graph, partition, **options):
         return plan_run(graph[0], graph[1], partition, TrainConfig(**options), NetworkModel())
 
     graph = (cora.store, cora.dataset)
     random = cora.partitions["random"]
-    for model in ("gcn", "sage"):
+    for model in ("gcn", "sage", "gat"):
         default = planned(graph, random, model=model)
         assert default.config.joint_fresh is True and default.deeper.config.joint_fresh is True
+        assert default.config.trains_jointly and default.deeper.config.trains_jointly
         assert default.run_fp == planned(graph, random, model=model, joint_fresh=True).run_fp
         assert default.run_fp != planned(graph, random, model=model, joint_fresh=False).run_fp
-    for options in ({"model": "gat"}, {"joint_rounds": 0}, {"joint_fresh": False}):
+    gat = planned(graph, random, model="gat")
+    assert gat.config.joint_rounds == gat.config.layer_rounds(gat.config.layers) == 200
+    assert gat.run_fp == planned(graph, random, model="gat", joint_rounds=200, joint_fresh=True).run_fp
+    for options in ({"joint_rounds": 0}, {"model": "gat", "joint_rounds": 0}, {"joint_fresh": False}):
         assert planned(graph, random, **options).config.joint_fresh is False
     assert planned(graph, None, strategy="centralized").config.joint_fresh is False
-    site = plan_site_run(cora.store, cora.dataset, random, TrainConfig(), NetworkModel(), site=0, sites=4)
-    assert site.config.joint_fresh is False
+    assert planned(graph, None, strategy="centralized", model="gat").config.joint_rounds is None
+    for model in ("gcn", "gat"):
+        site = plan_site_run(cora.store, cora.dataset, random, TrainConfig(model=model), NetworkModel(), site=0,
+                             sites=4)
+        assert site.config.joint_fresh is False
+        assert site.config.trains_jointly == (model == "gcn")
 
     store, dataset, partition = tiny
     assert dataset.manifest.splits["train"] >= 0.1 * dataset.num_nodes
     default = planned((store, dataset), partition)
     assert default.config.joint_fresh is False
     assert default.run_fp == planned((store, dataset), partition, joint_fresh=False).run_fp
+    gat = planned((store, dataset), partition, model="gat")
+    assert gat.config.joint_rounds is None and not gat.config.trains_jointly and gat.config.joint_fresh is False
 
 
 def test_a_fresh_pair_trains_after_the_pair_with_its_sync_and_no_more_halo_traffic(cora) -> None:
