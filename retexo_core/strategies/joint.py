@@ -64,7 +64,8 @@ class HiddenLayer:
 
     module: LayerWithHead
     config: TrainConfig  # its candidate's configuration (the recipe it trained with)
-    inputs: Aggregated | Features  # GCN / SAGE: (n, d) frozen aggregated inputs of the owned nodes; GAT: (n + h, d) local inputs
+    # GCN / SAGE: (n, d) frozen aggregated inputs of the owned nodes; GAT: the (n + h, d) local inputs
+    inputs: Aggregated | Features
 
 
 @dataclass
