@@ -97,8 +97,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 # variants that --variants may name and the suite does not train unless named: both retexo variants
 # with the fresh pair, or with the last two layers trained together for 200 rounds (GAT's pair is off by
-# default where labels are not scarce; GCN's and SAGE's train the last layer's 200 rounds anyway), avg/5 int8 with drift correction always on or off (by default: where the parts' train
-# labels differ), and layer-wise training without the recipe search
+# default where labels are not scarce; GCN's and SAGE's train the last layer's 200 rounds anyway), avg/5
+# int8 with drift correction always on or off (by default: where the parts' train labels differ), and
+# layer-wise training without the recipe search
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     **{f"{name} --joint-rounds 200": {**(VARIANTS[name] or {}), "joint_rounds": 200}

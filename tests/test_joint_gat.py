@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from dist_helpers import run_threads
+from graphstore.errors import RetexoError
 from retexo_core.comm.network import NetworkModel
 from retexo_core.config import TrainConfig
 from retexo_core.data import PartData, load_part
-from graphstore.errors import RetexoError
 from retexo_core.exchange import full_plan
 from retexo_core.halo import build_plan
 from retexo_core.models import Block, local_graph
