@@ -97,22 +97,17 @@ def test_the_docs_show_the_tables_of_the_holdout_protocol():
 
 def test_the_docs_show_the_tables_of_ten_fresh_seeds():
     """docs/accuracy.md's tables of Cora and CiteSeer, GCN and GAT, on seeds 10-19 are those of their
-    committed rows, alone and after the table's seeds 0-9 as they were when those rows were trained
-    (``fresh_seeds_partners.json``, paired seed by seed over twenty): today's but for GAT's two
-    retexo variants, trained again since with GAT's pair (``gat_pair.json``)."""
+    committed rows (today's defaults), alone and after the table's seeds 0-9 (paired seed by seed
+    over twenty)."""
     fresh = json.loads((ROWS / "fresh_seeds.json").read_text())
     assert len(fresh) == 16 and all(r["seeds"] == len(r["val"]) == len(r["test"]) == 10 for r in fresh)
-    kept = json.loads((ROWS / "fresh_seeds_partners.json").read_text())
-    assert len(kept) == 16 and all(r["seeds"] == 10 for r in kept)
-    assert {(r["graph"], r["model"]) for r in kept} == {(r["graph"], r["model"]) for r in fresh}
-    today = {(r["graph"], r["model"], r["variant"]): r for r in json.loads((ROWS / "todays_defaults.json").read_text())}
-    changed = {key for key in today if key[:2] in {("cora", "gat"), ("citeseer", "gat")} and key[2].startswith("retexo")}
-    assert [r for r in kept if (r["graph"], r["model"], r["variant"]) not in changed] == \
-        [today[(r["graph"], r["model"], r["variant"])] for r in kept if (r["graph"], r["model"], r["variant"]) not in changed]
+    pairs = {(r["graph"], r["model"]) for r in fresh}
+    assert pairs == {(g, m) for g in ("cora", "citeseer") for m in ("gcn", "gat")}
+    today = [r for r in json.loads((ROWS / "todays_defaults.json").read_text()) if (r["graph"], r["model"]) in pairs]
     docs, mark = REPO / "docs" / "accuracy.md", "<!-- fresh seeds: {} -->"
     assert block(docs, "scores", mark) == score_table(fresh)
     assert block(docs, "checks", mark) == checks_table(fresh)
-    assert block(docs, "checks of twenty", mark) == checks_table(merged(kept + fresh))
+    assert block(docs, "checks of twenty", mark) == checks_table(merged(today + fresh))
 
 
 def test_the_docs_show_the_tables_of_the_depth_margin():
