@@ -98,8 +98,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 # variants that --variants may name and the suite does not train unless named: both retexo variants
 # with the fresh pair, or with the last two layers trained together for 200 rounds (GAT's pair is off by
 # default where labels are not scarce; GCN's and SAGE's train the last layer's 200 rounds anyway), avg/5
-# int8 with drift correction always on or off (by default: where the parts' train labels differ), and
-# layer-wise training without the recipe search
+# int8 with drift correction always on or off (by default: where the parts' train labels differ),
+# layer-wise training without the recipe search, and with row-normalised input features fixed (the
+# other knobs searched)
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     **{f"{name} --joint-rounds 200": {**(VARIANTS[name] or {}), "joint_rounds": 200}
@@ -107,6 +108,8 @@ EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     "retexo avg/5 int8 --drift-correction": {**(VARIANTS["retexo avg/5 int8"] or {}), "drift_correction": True},
     "retexo avg/5 int8 --no-drift-correction": {**(VARIANTS["retexo avg/5 int8"] or {}), "drift_correction": False},
     "centralized --layerwise --recipe default": {"strategy": "centralized", "layerwise": True, "recipe": "default"},
+    "centralized --layerwise --normalize-features rows": {"strategy": "centralized", "layerwise": True,
+                                                          "normalize_features": "rows"},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)
