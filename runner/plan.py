@@ -150,8 +150,10 @@ def plan_site_run(store: Store, dataset: DatasetRef, partition: PartitionRef, co
         raise RetexoError("sites do not train GAT's last two layers together: its exchange would pass on rows a "
                           "site received from another; drop --joint-rounds")
     # the defaults at sites: one depth, no fresh pair (a site's split is not the graph's), no GAT pair
-    update = {"choose_depth": False, "joint_fresh": bool(config.joint_fresh)}
-    config = config.model_copy(update={**update, **({"joint_rounds": 0} if config.model == "gat" else {})})
+    update: dict[str, object] = {"choose_depth": False, "joint_fresh": bool(config.joint_fresh)}
+    if config.model == "gat":
+        update["joint_rounds"] = 0
+    config = config.model_copy(update=update)
     if not 0 <= site < sites:
         raise RetexoError(f"--rank {site} is outside 0..{sites - 1} (--world {sites})")
     plan = plan_run(store, dataset, partition, config, network)
