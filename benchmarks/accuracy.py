@@ -100,7 +100,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 # default where labels are not scarce; GCN's and SAGE's train the last layer's 200 rounds anyway), avg/5
 # int8 with drift correction always on or off (by default: where the parts' train labels differ),
 # layer-wise training without the recipe search, and with row-normalised input features fixed (the
-# other knobs searched)
+# other knobs searched); standard as it was before it searched every knob (the features alone), and
+# centralized at one depth with that search, with every knob screened 50 epochs as standard screens
+# them, and with every knob trained in full (what standard's recipe search is measured against)
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     **{f"{name} --joint-rounds 200": {**(VARIANTS[name] or {}), "joint_rounds": 200}
@@ -110,6 +112,12 @@ EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     "centralized --layerwise --recipe default": {"strategy": "centralized", "layerwise": True, "recipe": "default"},
     "centralized --layerwise --normalize-features rows": {"strategy": "centralized", "layerwise": True,
                                                           "normalize_features": "rows"},
+    "standard --recipe default": {"strategy": "standard", "recipe": "default"},
+    "centralized --no-choose-depth --recipe default": {"strategy": "centralized", "choose_depth": False,
+                                                       "recipe": "default"},
+    "centralized --no-choose-depth --recipe-screen 50": {"strategy": "centralized", "choose_depth": False,
+                                                         "recipe_screen": 50},
+    "centralized --no-choose-depth": {"strategy": "centralized", "choose_depth": False},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)

@@ -75,12 +75,14 @@ class TrainConfig(BaseModel):
         "auto", "auto: choose the recipe (feature normalisation, skip connection, LayerNorm, weight decay, dropout, "
         "learning rate) on "
         "validation, knob by knob: per layer from its one halo exchange for layer-wise training, the whole model "
-        "for centralized (other end-to-end strategies search the feature normalisation only); default: the "
+        "end to end (task link: the feature normalisation only, except centralized); default: the "
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
     recipe_screen: int | None = option(
-        None, "recipe auto, layer-wise: rounds each alternative recipe trains before the best one so far goes on to "
-        "the layer's full rounds (default: 50 for task node; 20 for task link, so that the search's gradient "
-        "sync stays within the halo traffic it saves).", scope="layer", strategies=LAYERWISE, ge=1)
+        None, "recipe search: rounds (epochs) each candidate recipe trains before the kept one goes on to the full "
+        "rounds: layer-wise, and end to end for the distributed strategies (standard, varco, tma, grappa), where "
+        "every candidate's traffic counts; centralized end to end trains every candidate in full unless this is "
+        "given (default: 50 for task node; 20 for task link, so that the search's gradient sync stays within the "
+        "halo traffic it saves).", scope="layer", ge=1)
     recipe_margin: float = option(
         0.0, "recipe search: an alternative replaces the kept recipe only when it classifies more validation nodes "
         "right by more than this many standard errors of that paired difference (sqrt of the nodes the two "
@@ -336,6 +338,16 @@ class TrainConfig(BaseModel):
         if self.recipe_screen is not None:
             return self.recipe_screen
         return 20 if self.task == "link" else 50
+
+    @property
+    def screen_epochs(self) -> int | None:
+        """Epochs each candidate of an end-to-end recipe search trains before the kept one trains
+        ``epochs`` from the start again: ``screen_rounds`` for the distributed strategies, and for
+        ``centralized`` where ``recipe_screen`` is given; None (every candidate trains ``epochs``)
+        otherwise, or where the screen would not be shorter."""
+        if self.strategy_spec.whole_graph and self.recipe_screen is None:
+            return None
+        return self.screen_rounds if self.screen_rounds < self.epochs else None
 
     def layer_rounds(self, layer: int) -> int:
         return int(self.per_layer("rounds", layer))

@@ -23,7 +23,8 @@ difference (``GreedySearch.replaces``; the default margin 0 takes any higher acc
 earlier candidate wins ties). Layer-wise training
 searches every layer on its own, from the inputs of its single halo exchange, so the search
 costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is
-searched as a whole (``features`` and, for ``centralized``, every knob). ``features`` is only
+searched as a whole (the distributed strategies screen each candidate ``--recipe-screen``
+epochs, ``TrainConfig.screen_epochs``; their link task searches ``features`` alone). ``features`` is only
 searched on layer 1 with ``--normalize-features auto`` and non-negative features; ``norm`` is not
 searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one) nor on
 layer 1 of layer-wise link training (a root weight on the raw features doubles the widest layer's gradient
@@ -116,15 +117,14 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
 
 def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative: bool) -> "GreedySearch":
     """The candidates of layer ``layer`` (layer 1 stands for a whole end-to-end model): a recipe
-    file's entry as the one candidate; under ``--recipe auto`` every knob for layer-wise training
-    and ``centralized`` (no traffic), the features alone for the distributed end-to-end
-    strategies (each candidate is a whole training: their traffic would multiply); under
+    file's entry as the one candidate; under ``--recipe auto`` every knob (the distributed
+    end-to-end strategies' link task: the features alone, not measured there yet); under
     ``default`` the features alone (``--normalize-features auto``)."""
     start = knobs_of(config, layer, end_to_end)
     fixed = config.fixed_recipe
     if fixed is not None:
         return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
-    full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph)
+    full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph or config.task == "node")
     names = searched_knobs(config, layer, nonnegative=nonnegative, full=full, end_to_end=end_to_end)
     return GreedySearch(start, names, layer=layer, end_to_end=end_to_end, margin=config.recipe_margin)
 

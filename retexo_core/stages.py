@@ -264,34 +264,46 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink, skew:
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
-    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties); every
-    candidate's traffic is in the log. Returns the evaluation context, the kept result and the
-    choice (empty without a search)."""
+    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties). Where the
+    configuration screens (``TrainConfig.screen_epochs``: the distributed strategies), each
+    candidate trains that many epochs and the kept recipe then trains the full epochs from the same
+    initial parameters. Every candidate's traffic is in the log. Returns the evaluation context,
+    the kept result and the choice (empty without a search)."""
     search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
-    total = search.size * ctx.config.epochs
-    kept: tuple[WorkerContext, EndToEndResult] | None = None
-    epochs, seconds = 0, 0.0
-    while (candidate := search.next()) is not None:
-        transform = features_transform(ctx.config, candidate.knobs)
+    epochs = ctx.config.epochs
+    screen = ctx.config.screen_epochs if search.size > 1 else None
+    total = search.size * (screen or epochs) + (epochs if screen else 0)
+    done, seconds = 0, 0.0
 
-        def refresh(period: int, transform: Callable[[Features], Features] = transform) -> PartData:
+    def train(knobs: dict[str, object], epochs: int) -> tuple[WorkerContext, EndToEndResult]:
+        nonlocal done, seconds
+        transform = features_transform(ctx.config, knobs)
+
+        def refresh(period: int) -> PartData:
             data = load_refresh(period)
             return dataclasses.replace(data, x=transform(data.x))
 
+        config = apply_knobs(ctx.config, 1, knobs, end_to_end=True).model_copy(update={"epochs": epochs})
         mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=transform(ctx.data.x)), history=[],
-                                   config=apply_knobs(ctx.config, 1, candidate.knobs, end_to_end=True),
-                                   progress=(len(search.tried) * ctx.config.epochs, total))
-        eval_ctx, result = mine.config.strategy_spec.load_trainer()(mine, sink, refresh)
-        epochs, seconds = epochs + result.epochs, seconds + result.loop_seconds
-        paired = None if kept is None else paired_counts(ctx.comm, result.val_hits, kept[1].val_hits)
-        if search.report(result.best_val, paired):
-            kept = (eval_ctx, result)
+                                   config=config, progress=(done, total))
+        eval_ctx, result = config.strategy_spec.load_trainer()(mine, sink, refresh)
+        done, seconds = done + result.epochs, seconds + result.loop_seconds
+        return eval_ctx, result
+
+    kept: tuple[WorkerContext, EndToEndResult] | None = None
+    while (candidate := search.next()) is not None:
+        trained = train(candidate.knobs, screen or epochs)
+        paired = None if kept is None else paired_counts(ctx.comm, trained[1].val_hits, kept[1].val_hits)
+        if search.report(trained[1].best_val, paired):
+            kept = trained
     assert kept is not None
+    if screen:  # the kept recipe's full training
+        kept = train(search.best.knobs, epochs)
     chosen = search.choice()
     if chosen:
         log.info("recipe chosen on validation: %s", chosen)
-    log.info("%d candidate(s): %d epochs in %.3f s (their epoch loops, validation included)", search.size, epochs,
-             seconds)
+    log.info("%d candidate(s)%s: %d epochs in %.3f s (their epoch loops, validation included)", search.size,
+             f", {screen} epochs each, then the kept one's {epochs}" if screen else "", done, seconds)
     return kept[0], kept[1], chosen
 
 

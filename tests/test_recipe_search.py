@@ -227,3 +227,37 @@ def test_a_bad_recipe_file_is_one_line_naming_the_file_and_the_field(tmp_path) -
         TrainConfig(recipe=str(bad))
     with pytest.raises(ValueError, match=r"missing.json: recipe file not found"):
         TrainConfig(recipe=str(tmp_path / "missing.json"))
+
+
+# a distributed end-to-end strategy: the same knobs, each candidate screened -------------------
+
+def test_standard_screens_every_knob_then_trains_the_kept_recipe_in_full(cora) -> None:
+    """``standard`` under ``--recipe auto`` tries every knob, each candidate ``recipe_screen``
+    epochs, then trains the kept recipe ``epochs`` from the same start: that model is bit for bit
+    the one its recipe file trains, and the bytes are every candidate's epochs of the file's run."""
+    from retexo_core.models import build_blocks
+
+    epochs, screen = 5, 2
+    options = dict(strategy="standard", hidden=HIDDEN, epochs=epochs, recipe_screen=screen)
+    searched = train(cora.store, cora.dataset, cora.partitions["random"], small_config(**options, recipe="auto"))
+    recipe = layer_manifest(searched, 1)["recipe"]
+    tried = recipe["val_scores"]
+    # features, skip, norm, decay, then dropout and lr from small_config's 0 and 0.05 to both of their values
+    assert len(tried) == 1 + 4 + 2 + 2
+    assert layer_manifest(searched, 1)["rounds"] == epochs  # the kept recipe's full training
+    recipe_file = searched.store.run_dir(searched.run_fp) / "recipe.json"
+    fixed = train(cora.store, cora.dataset, cora.partitions["random"], small_config(**options, recipe=str(recipe_file)))
+    for layer in (1, 2):
+        models = [torch.load(p.store.run_dir(p.run_fp) / f"layer={layer}" / "model.pt") for p in (searched, fixed)]
+        assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+    def size(knobs: dict) -> int:
+        return params(build_blocks("gcn", 1433, HIDDEN, CLASSES, 2, 4, 0.0, norm=knobs["norm"] == "layer",
+                                   skip=knobs["skip"]))
+
+    kept = {k: v for k, v in recipe.items() if k != "val_scores"}
+    searched_log, fixed_log = comm_log(searched), comm_log(fixed)
+    assert fixed_log["grad_sync"] == epochs * ring(4 * size(kept))
+    assert searched_log["grad_sync"] == sum(screen * ring(4 * size(t)) for t in tried) + fixed_log["grad_sync"]
+    assert searched_log["halo_grads"] * epochs == fixed_log["halo_grads"] * (len(tried) * screen + epochs)
+    assert searched_log["halo_features"] == fixed_log["halo_features"] * (len(tried) + 1)  # once per training
