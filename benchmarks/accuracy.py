@@ -101,8 +101,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 # int8 with drift correction always on or off (by default: where the parts' train labels differ),
 # layer-wise training without the recipe search, and with row-normalised input features fixed (the
 # other knobs searched); standard as it was before it searched every knob (the features alone), and
-# centralized at one depth with that search, with every knob screened 50 epochs as standard screens
-# them, and with every knob trained in full (what standard's recipe search is measured against)
+# centralized at one depth with that search, with every knob screened 50 epochs, and with every knob
+# trained in full (standard's search, measured in one process: docs/accuracy.md, the baselines' recipe)
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     **{f"{name} --joint-rounds 200": {**(VARIANTS[name] or {}), "joint_rounds": 200}

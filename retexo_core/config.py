@@ -78,11 +78,12 @@ class TrainConfig(BaseModel):
         "end to end (task link: the feature normalisation only, except centralized); default: the "
         "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
     recipe_screen: int | None = option(
-        None, "recipe search: rounds (epochs) each candidate recipe trains before the kept one goes on to the full "
-        "rounds: layer-wise, and end to end for the distributed strategies (standard, varco, tma, grappa), where "
-        "every candidate's traffic counts; centralized end to end trains every candidate in full unless this is "
-        "given (default: 50 for task node; 20 for task link, so that the search's gradient sync stays within the "
-        "halo traffic it saves).", scope="layer", ge=1)
+        None, "recipe auto: rounds each candidate recipe of a layer-wise search trains before the kept one goes on "
+        "to the layer's full rounds (default: 50 for task node; 20 for task link, so that the search's gradient "
+        "sync stays within the halo traffic it saves). End to end: by default every candidate trains the full "
+        "epochs; given, each trains this many and the kept one then trains the full epochs again (fewer epochs "
+        "and bytes; 50 mis-ranks on some graphs, see docs/accuracy.md, the baselines' recipe).", scope="layer",
+        ge=1)
     recipe_margin: float = option(
         0.0, "recipe search: an alternative replaces the kept recipe only when it classifies more validation nodes "
         "right by more than this many standard errors of that paired difference (sqrt of the nodes the two "
@@ -342,12 +343,11 @@ class TrainConfig(BaseModel):
     @property
     def screen_epochs(self) -> int | None:
         """Epochs each candidate of an end-to-end recipe search trains before the kept one trains
-        ``epochs`` from the start again: ``screen_rounds`` for the distributed strategies, and for
-        ``centralized`` where ``recipe_screen`` is given; None (every candidate trains ``epochs``)
-        otherwise, or where the screen would not be shorter."""
-        if self.strategy_spec.whole_graph and self.recipe_screen is None:
+        ``epochs`` from the start again: ``recipe_screen`` where it is given and shorter than
+        ``epochs``; None (every candidate trains ``epochs``) otherwise."""
+        if self.recipe_screen is None or self.recipe_screen >= self.epochs:
             return None
-        return self.screen_rounds if self.screen_rounds < self.epochs else None
+        return self.recipe_screen
 
     def layer_rounds(self, layer: int) -> int:
         return int(self.per_layer("rounds", layer))

@@ -264,10 +264,9 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink, skew:
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
-    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties). Where the
-    configuration screens (``TrainConfig.screen_epochs``: the distributed strategies), each
-    candidate trains that many epochs and the kept recipe then trains the full epochs from the same
-    initial parameters. Every candidate's traffic is in the log. Returns the evaluation context,
+    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties). With
+    ``--recipe-screen`` (``TrainConfig.screen_epochs``) each candidate trains that many epochs and
+    the kept recipe then trains the full epochs from the same initial parameters. Every candidate's traffic is in the log. Returns the evaluation context,
     the kept result and the choice (empty without a search)."""
     search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
     epochs = ctx.config.epochs

@@ -184,7 +184,7 @@ def test_the_demo_preset_prints_under_60_lines_and_ends_with_retexo_vs_standard(
     # complete: layer 2 trains 20 rounds for each of its 5 recipe candidates (20 < --recipe-screen), then
     # 20 with layer 1 (the last two layers together) and 20 more from scratch (Cora: 5 % of the nodes
     # train); the baseline (standard: features, skip, norm, decay, dropout, lr) 20 epochs for each of its 7
-    # candidates (20 < --recipe-screen, so the kept one does not train again)
+    # candidates
     assert progress["layer 2"].startswith("layer 2: 140/140,") and progress["epochs"].startswith("epochs: 140/140,"), \
         result.stderr
     last_best = {step: line.split("best val ")[1].split()[0] for step, line in progress.items()}

@@ -229,12 +229,22 @@ def test_a_bad_recipe_file_is_one_line_naming_the_file_and_the_field(tmp_path) -
         TrainConfig(recipe=str(tmp_path / "missing.json"))
 
 
-# a distributed end-to-end strategy: the same knobs, each candidate screened -------------------
+# a distributed end-to-end strategy: the same knobs as centralized -------------------------------
+
+def test_end_to_end_candidates_train_in_full_unless_a_shorter_screen_is_given() -> None:
+    from retexo_core.config import TrainConfig
+
+    assert TrainConfig(strategy="standard").screen_epochs is None
+    assert TrainConfig(strategy="standard", recipe_screen=50).screen_epochs == 50
+    assert TrainConfig(strategy="tma", recipe_screen=200, epochs=200).screen_epochs is None
+    assert TrainConfig(strategy="centralized", recipe_screen=20).screen_epochs == 20
+
 
 def test_standard_screens_every_knob_then_trains_the_kept_recipe_in_full(cora) -> None:
-    """``standard`` under ``--recipe auto`` tries every knob, each candidate ``recipe_screen``
-    epochs, then trains the kept recipe ``epochs`` from the same start: that model is bit for bit
-    the one its recipe file trains, and the bytes are every candidate's epochs of the file's run."""
+    """``standard`` under ``--recipe auto`` with ``--recipe-screen`` tries every knob, each
+    candidate ``recipe_screen`` epochs, then trains the kept recipe ``epochs`` from the same start:
+    that model is bit for bit the one its recipe file trains, and the bytes are every candidate's
+    epochs of the file's run."""
     from retexo_core.models import build_blocks
 
     epochs, screen = 5, 2
