@@ -85,7 +85,7 @@ def test_prefect_deployment_run_trains_into_the_store(prefect_env: dict[str, str
     store = tmp_path / "store"
     try:
         overrides = {"params": {"preset": "configs/cora_gcn.yaml", "store": str(store),
-                                "train": {"rounds": 3, "hidden": 16}}}
+                                "train": {"rounds": 3, "epochs": 3, "hidden": 16}}}
         run = prefect(env, "deployment", "run", "pipeline/cora-on-demand", "--params", json.dumps(overrides),
                       "--watch", "--watch-timeout", "600", timeout=660)
         assert "Completed" in run.stdout, run.stdout
