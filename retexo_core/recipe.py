@@ -14,24 +14,23 @@ knob               values tried (the start value first)  config fields it sets
 ``lr``             0.01 / 0.005                          ``lr``
 =================  ====================================  ===============================
 
-The search is greedy, one knob after the other in that order (coordinate ascent; layer-wise
-training tries ``skip`` first, before ``features``): the start
-recipe is the configured one; each alternative value of a knob trains from the same initial
-parameters with every other knob at its best value so far, and replaces it when it classifies
-more validation nodes right, by more than ``--recipe-margin`` standard errors of that paired
-difference (``GreedySearch.replaces``; the default margin 0 takes any higher accuracy, and the
-earlier candidate wins ties). Layer-wise training
-searches every layer on its own, from the inputs of its single halo exchange, so the search
-costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is
-searched as a whole, each candidate a whole training (or ``--recipe-screen`` epochs of one,
-``TrainConfig.screen_epochs``; the distributed strategies' link task searches ``features`` alone). ``features`` is only
-searched on layer 1 with ``--normalize-features auto`` and non-negative features; ``norm`` is not
-searched for the last layer (it has none), ``skip`` not for SAGE (its root weight is one) nor on
-layer 1 of layer-wise link training (a root weight on the raw features doubles the widest layer's gradient
-sync, which put retexo's bytes above ``standard``'s on the suite's graphs),
-``attention`` (dropout of the attention coefficients, as PyG's GAT example has it) only for GAT, and
-neither under a warm start (the parameters must fit); layer 1 of layer-wise training always keeps
-its weight decay.
+The search is greedy, one knob after the other in that order (coordinate ascent; layer-wise training
+tries ``skip`` first, before ``features``): the start recipe is the configured one; each alternative
+value of a knob trains from the same initial parameters with every other knob at its best value so
+far, and replaces it when it classifies more validation nodes right, by more than
+``--recipe-margin`` standard errors of that paired difference (``GreedySearch.replaces``; the
+default margin 0 takes any higher accuracy, and the earlier candidate wins ties). Layer-wise
+training searches every layer on its own, from the inputs of its single halo exchange, so the search
+costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is searched as
+a whole, each candidate a whole training (or ``--recipe-screen`` epochs of one,
+``TrainConfig.screen_epochs``; the distributed strategies' link task searches ``features`` alone).
+``features`` is only searched on layer 1 with ``--normalize-features auto`` and non-negative
+features; ``norm`` is not searched for the last layer (it has none), ``skip`` not for SAGE (its root
+weight is one) nor on layer 1 of layer-wise link training (a root weight on the raw features doubles
+the widest layer's gradient sync, which put retexo's bytes above ``standard``'s on the suite's
+graphs), ``attention`` (dropout of the attention coefficients, as PyG's GAT example has it) only for
+GAT, and neither under a warm start (the parameters must fit); layer 1 of layer-wise training always
+keeps its weight decay.
 
 A recipe file (``--recipe FILE``) is what a searched run stores as ``recipe.json``: ``{"layers":
 {"1": {knob: value, ...}, "2": {...}}}``; an end-to-end run reads layer 1's entry.

@@ -24,7 +24,7 @@ from retexo_core.data import SPLIT_NAMES, PartData, normalize_rows
 from retexo_core.device import CPU, host_state, layer_fits, peak_memory_note, platform
 from retexo_core.halo import VIEWS
 from retexo_core.label_skew import LabelSkew, label_skew
-from retexo_core.models import Features, HeadState, head_state
+from retexo_core.models import HeadState, head_state
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
@@ -266,15 +266,17 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
     keeping the best on validation (``GreedySearch.replaces``; the earlier on ties). With
     ``--recipe-screen`` (``TrainConfig.screen_epochs``) each candidate trains that many epochs and
-    the kept recipe then trains the full epochs from the same initial parameters. Every candidate's traffic is in the log. Returns the evaluation context,
-    the kept result and the choice (empty without a search)."""
+    the kept recipe then trains the full epochs from the same initial parameters. Every
+    candidate's traffic is in the log. Returns the evaluation context, the kept result and the
+    choice (empty without a search)."""
     search = search_for(ctx.config, 1, end_to_end=True, nonnegative=ctx.data.features_nonnegative)
     epochs = ctx.config.epochs
     screen = ctx.config.screen_epochs if search.size > 1 else None
     total = search.size * (screen or epochs) + (epochs if screen else 0)
     done, seconds = 0, 0.0
 
-    def train(knobs: dict[str, object], epochs: int) -> tuple[WorkerContext, EndToEndResult]:
+    def train(knobs: dict[str, object], count: int) -> tuple[WorkerContext, EndToEndResult]:
+        """One training of ``count`` epochs with ``knobs``."""
         nonlocal done, seconds
         transform = features_transform(ctx.config, knobs)
 
@@ -282,7 +284,7 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
             data = load_refresh(period)
             return dataclasses.replace(data, x=transform(data.x))
 
-        config = apply_knobs(ctx.config, 1, knobs, end_to_end=True).model_copy(update={"epochs": epochs})
+        config = apply_knobs(ctx.config, 1, knobs, end_to_end=True).model_copy(update={"epochs": count})
         mine = dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, x=transform(ctx.data.x)), history=[],
                                    config=config, progress=(done, total))
         eval_ctx, result = config.strategy_spec.load_trainer()(mine, sink, refresh)

@@ -135,6 +135,20 @@ def test_grappa_logged_bytes_equal_the_analytic_count(tiny) -> None:
     assert {r["seed"] for r in refreshes if r["method"] == "random" and r["parts"] == K} >= {0, 1, 2}
 
 
+def test_grappa_compares_its_recipe_candidates_by_their_validation_scores(tiny) -> None:
+    """Grappa's candidates may keep epochs of different refresh periods, whose partitions give a
+    rank other validation nodes: the search compares their scores (no paired counts) and keeps the
+    first best."""
+    store, dataset, partition = tiny
+    plan = train(store, dataset, partition,
+                 small_config(strategy="grappa", epochs=4, grappa_refresh_every=2, recipe="auto"))
+    recipe = json.loads((store.layer_dir(plan.run_fp, 1) / "manifest.json").read_text())["recipe"]
+    tried = recipe["val_scores"]
+    assert len(tried) > 2 and not any("gained" in t for t in tried)
+    best = max(tried, key=lambda t: t["val"])
+    assert {k: recipe[k] for k in best if k != "val"} == {k: v for k, v in best.items() if k != "val"}
+
+
 def pair_counts(partition) -> dict[tuple[int, int], int]:
     """(owner, requester) -> number of the requester's halo nodes that owner holds."""
     counts = {}

@@ -256,8 +256,9 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
             continue
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best)
     best.restore(blocks)
-    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started,
-                          val_hits=best.hits)
+    # no val_hits: two recipe candidates' best epochs may fall in different refresh periods, whose
+    # partitions give a rank other validation nodes, so the search compares their scores instead
+    return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
 
 
 def evaluate_outputs(ctx: WorkerContext, blocks: nn.ModuleList) -> tuple[WorkerContext, dict[str, list[torch.Tensor]]]:
