@@ -13,7 +13,7 @@ this process (the same bytes and results as processes). ``--graphs`` takes any g
 accuracy suite (``benchmarks/accuracy.py``: ``../shared/datasets``, ingested from its original
 files) and SEAL's eight structure-only link-prediction graphs (``seal_linkpred``: ``retexo ingest
 mat``, node i's feature the one-hot i); ``--what`` also takes ``retexo-screen<N>`` (the recipe
-search with ``--recipe-screen N``).
+search with ``--recipe-screen N``) and ``standard-default`` (``standard --recipe default``).
 
     python benchmarks/link_prediction.py --graphs cora,citeseer --seeds 3
 """
@@ -121,6 +121,9 @@ def main() -> None:
             if "standard" in wanted:
                 rows.append(pipeline_row(store, dataset, f"standard ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="standard", seed=seed))
+            if "standard-default" in wanted:  # the features alone: one training instead of the search's
+                rows.append(pipeline_row(store, dataset, f"standard --recipe default ({args.parts} parts)", args.parts,
+                                         args.hits_k, strategy="standard", recipe="default", seed=seed))
             if "tma" in wanted:
                 for method, name in (("random", "RandomTMA"), ("supernode", "SuperTMA")):
                     rows.append(pipeline_row(store, dataset, f"{name} ({args.parts} parts)", args.parts, args.hits_k,

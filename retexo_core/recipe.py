@@ -116,15 +116,13 @@ def searched_knobs(config: TrainConfig, layer: int, *, nonnegative: bool, full: 
 
 def search_for(config: TrainConfig, layer: int, *, end_to_end: bool, nonnegative: bool) -> "GreedySearch":
     """The candidates of layer ``layer`` (layer 1 stands for a whole end-to-end model): a recipe
-    file's entry as the one candidate; under ``--recipe auto`` every knob (the distributed
-    end-to-end strategies' link task: the features alone, not measured there yet); under
-    ``default`` the features alone (``--normalize-features auto``)."""
+    file's entry as the one candidate; under ``--recipe auto`` every knob, for every strategy and
+    task; under ``default`` the features alone (``--normalize-features auto``)."""
     start = knobs_of(config, layer, end_to_end)
     fixed = config.fixed_recipe
     if fixed is not None:
         return GreedySearch({**start, **fixed.get(layer, {})}, [], layer=layer, end_to_end=end_to_end)
-    full = config.recipe == "auto" and (not end_to_end or config.strategy_spec.whole_graph or config.task == "node")
-    names = searched_knobs(config, layer, nonnegative=nonnegative, full=full, end_to_end=end_to_end)
+    names = searched_knobs(config, layer, nonnegative=nonnegative, full=config.recipe == "auto", end_to_end=end_to_end)
     return GreedySearch(start, names, layer=layer, end_to_end=end_to_end, margin=config.recipe_margin)
 
 
