@@ -13,7 +13,8 @@ this process (the same bytes and results as processes). ``--graphs`` takes any g
 accuracy suite (``benchmarks/accuracy.py``: ``../shared/datasets``, ingested from its original
 files) and SEAL's eight structure-only link-prediction graphs (``seal_linkpred``: ``retexo ingest
 mat``, node i's feature the one-hot i); ``--what`` also takes ``retexo-screen<N>`` (the recipe
-search with ``--recipe-screen N``) and ``standard-default`` (``standard --recipe default``).
+search with ``--recipe-screen N``), ``standard-default`` and ``tma-default`` (``--recipe default``:
+the features alone).
 
     python benchmarks/link_prediction.py --graphs cora,citeseer --seeds 3
 """
@@ -124,10 +125,13 @@ def main() -> None:
             if "standard-default" in wanted:  # the features alone: one training instead of the search's
                 rows.append(pipeline_row(store, dataset, f"standard --recipe default ({args.parts} parts)", args.parts,
                                          args.hits_k, strategy="standard", recipe="default", seed=seed))
-            if "tma" in wanted:
+            for what, recipe in (("tma", "auto"), ("tma-default", "default")):
+                if what not in wanted:
+                    continue
+                flag = " --recipe default" if recipe == "default" else ""
                 for method, name in (("random", "RandomTMA"), ("supernode", "SuperTMA")):
-                    rows.append(pipeline_row(store, dataset, f"{name} ({args.parts} parts)", args.parts, args.hits_k,
-                                             method=method, strategy="tma", seed=seed))
+                    rows.append(pipeline_row(store, dataset, f"{name}{flag} ({args.parts} parts)", args.parts,
+                                             args.hits_k, method=method, strategy="tma", recipe=recipe, seed=seed))
             if "retexo" in wanted:
                 rows.append(pipeline_row(store, dataset, f"retexo ({args.parts} parts)", args.parts, args.hits_k,
                                          strategy="retexo", seed=seed))
