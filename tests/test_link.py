@@ -227,13 +227,17 @@ def test_a_featureless_bipartite_table_gets_identity_features_and_trains_links(t
 
 def test_the_link_search_screens_20_rounds_and_keeps_layer_1_without_a_root_weight() -> None:
     """Layer-wise link training searches no skip on layer 1 (it would double the widest gradient
-    sync) and screens each candidate 20 rounds; layer 2 and end-to-end models search skip."""
+    sync) and screens each candidate 20 rounds; layer 2 and every end-to-end strategy search skip
+    (``--recipe default``: the features alone)."""
     def knobs(config: TrainConfig, layer: int, end_to_end: bool = False) -> set[str]:
         return {name for name, _ in search_for(config, layer, end_to_end=end_to_end, nonnegative=True).plan}
 
     link, node = TrainConfig(task="link"), TrainConfig()
     assert "skip" not in knobs(link, 1) and "skip" in knobs(link, 2) and "skip" in knobs(node, 1)
-    assert "skip" in knobs(TrainConfig(task="link", strategy="centralized"), 1, end_to_end=True)
+    for strategy in ("centralized", "standard", "tma"):  # every end-to-end strategy searches every knob
+        searched = knobs(TrainConfig(task="link", strategy=strategy), 1, end_to_end=True)
+        assert searched == {"features", "skip", "norm", "decay", "dropout", "lr"}, strategy
+    assert knobs(TrainConfig(task="link", strategy="standard", recipe="default"), 1, end_to_end=True) == {"features"}
     assert (link.screen_rounds, node.screen_rounds, TrainConfig(task="link", recipe_screen=7).screen_rounds) == (20, 50, 7)
 
 
