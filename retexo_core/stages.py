@@ -28,7 +28,7 @@ from retexo_core.models import HeadState, head_state
 from retexo_core.results import LayerSummary, ResultSink
 from retexo_core.strategies.common import WorkerContext, final_evaluation, make_context, paired_counts
 from retexo_core.strategies.endtoend import EndToEndResult
-from retexo_core.strategies.isolated import isolated_context
+from retexo_core.strategies.isolated import full_graph_validation, isolated_context
 from retexo_core.recipe import KNOB_NAMES, apply_knobs, search_for
 from retexo_core.link import link_evaluation, pair_scores, recommendations
 from retexo_core.strategies.link import LinkFit, LinkInputs
@@ -264,7 +264,8 @@ def run_layerwise(ctx: WorkerContext, layers: list[int], sink: ResultSink, skew:
 def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
                      ) -> tuple[WorkerContext, EndToEndResult, dict[str, object]]:
     """An end-to-end strategy's whole training once per candidate recipe (``recipe.search_for``),
-    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties). With
+    keeping the best on validation (``GreedySearch.replaces``; the earlier on ties; ``isolated``
+    strategies' candidates by their validation on the full graph). With
     ``--recipe-screen`` (``TrainConfig.screen_epochs``) each candidate trains that many epochs and
     the kept recipe then trains the full epochs from the same initial parameters. Every
     candidate's traffic is in the log. Returns the evaluation context, the kept result and the
@@ -291,12 +292,21 @@ def train_candidates(ctx: WorkerContext, sink: ResultSink, load_refresh: Callabl
         done, seconds = done + result.epochs, seconds + result.loop_seconds
         return eval_ctx, result
 
+    def judged(eval_ctx: WorkerContext, result: EndToEndResult) -> tuple[float, torch.Tensor | None]:
+        """A candidate's validation score and hits: the full graph's, where there is a choice,
+        for the strategies that validate on their local graphs."""
+        if ctx.config.strategy_spec.isolated and search.size > 1:
+            return full_graph_validation(eval_ctx, result)
+        return result.best_val, result.val_hits
+
     kept: tuple[WorkerContext, EndToEndResult] | None = None
+    kept_hits: torch.Tensor | None = None
     while (candidate := search.next()) is not None:
         trained = train(candidate.knobs, screen or epochs)
-        paired = None if kept is None else paired_counts(ctx.comm, trained[1].val_hits, kept[1].val_hits)
-        if search.report(trained[1].best_val, paired):
-            kept = trained
+        score, hits = judged(*trained)
+        paired = None if kept is None else paired_counts(ctx.comm, hits, kept_hits)
+        if search.report(score, paired):
+            kept, kept_hits = trained, hits
     assert kept is not None
     if screen:  # the kept recipe's full training
         kept = train(search.best.knobs, epochs)

@@ -14,6 +14,10 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env, run_cli
+from graphstore.ingest.api import ingest_synthetic
+from graphstore.ingest.splits import SplitFractions
+from graphstore.ingest.synthetic import SyntheticOptions
+from graphstore.layout import Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.models import build_blocks
@@ -135,18 +139,39 @@ def test_grappa_logged_bytes_equal_the_analytic_count(tiny) -> None:
     assert {r["seed"] for r in refreshes if r["method"] == "random" and r["parts"] == K} >= {0, 1, 2}
 
 
-def test_grappa_compares_its_recipe_candidates_by_their_validation_scores(tiny) -> None:
-    """Grappa's candidates may keep epochs of different refresh periods, whose partitions give a
-    rank other validation nodes: the search compares their scores (no paired counts) and keeps the
-    first best."""
-    store, dataset, partition = tiny
-    plan = train(store, dataset, partition,
-                 small_config(strategy="grappa", epochs=4, grappa_refresh_every=2, recipe="auto"))
-    recipe = json.loads((store.layer_dir(plan.run_fp, 1) / "manifest.json").read_text())["recipe"]
-    tried = recipe["val_scores"]
-    assert len(tried) > 2 and not any("gained" in t for t in tried)
-    best = max(tried, key=lambda t: t["val"])
-    assert {k: recipe[k] for k in best if k != "val"} == {k: v for k, v in best.items() if k != "val"}
+@pytest.fixture(scope="module")
+def sbm(tmp_path_factory: pytest.TempPathFactory):
+    """A 300-node SBM in K random parts: enough validation nodes that the local graphs' validation
+    differs from the full graph's."""
+    store = Store.open(tmp_path_factory.mktemp("sbm-store"))
+    dataset = ingest_synthetic(store, "sbm", SyntheticOptions(nodes=300, avg_degree=8, classes=3, features=F, seed=2),
+                               SplitFractions(seed=2))
+    return store, dataset, build_partition(store, dataset, PartitionOptions(method="random", parts=K, seed=0))
+
+
+@pytest.mark.parametrize("strategy", ["tma", "grappa"])
+def test_isolated_strategies_judge_recipe_candidates_on_the_full_graph(sbm, strategy) -> None:
+    """TMA and Grappa validate on their local graphs while they train, a figure that can rank two
+    recipes the other way round from the full graph's. The search judges each candidate by its
+    validation on the full graph (for Grappa over the same partition whatever period its best
+    epoch fell in): the first candidate scores what a run without a search evaluates, and the
+    kept one is the best tried and the run's validation."""
+    store, dataset, partition = sbm
+    extra = {"grappa_refresh_every": 2} if strategy == "grappa" else {"agg_every_steps": 2}
+
+    def run(recipe: str) -> tuple[dict, float]:
+        plan = train(store, dataset, partition, small_config(strategy=strategy, epochs=4, recipe=recipe, **extra))
+        evaluation = pq.read_table(store.run_dir(plan.run_fp) / "evaluation.parquet").to_pandas()
+        layer = json.loads((store.layer_dir(plan.run_fp, 1) / "manifest.json").read_text())
+        return layer, float(evaluation.loc[evaluation.split == "val", "accuracy"].iloc[0])
+
+    layer, val = run("auto")
+    recipe, tried = layer["recipe"], layer["recipe"]["val_scores"]
+    assert len(tried) > 2 and all("gained" in t for t in tried[1:])  # paired over the same nodes
+    assert recipe == {**recipe, **{k: v for k, v in max(tried, key=lambda t: t["val"]).items() if k in recipe}}
+    assert max(t["val"] for t in tried) == pytest.approx(val, abs=1e-12)
+    start, start_val = run("default")
+    assert tried[0]["val"] == pytest.approx(start_val, abs=1e-12) and start["best_val"] != start_val
 
 
 def pair_counts(partition) -> dict[tuple[int, int], int]:

@@ -54,6 +54,7 @@ from retexo_core.strategies.common import (
     make_context,
     split_stats,
     sync_gradients,
+    val_hits,
     validate,
 )
 from retexo_core.link import isolated_link_index, link_loss
@@ -287,6 +288,17 @@ def evaluated(ctx: WorkerContext, result: EndToEndResult) -> tuple[WorkerContext
         with torch.no_grad():
             result.link_embeddings = link_rows(eval_ctx, result.outputs["full"][-1])
     return eval_ctx, result
+
+
+def full_graph_validation(eval_ctx: WorkerContext, result: EndToEndResult) -> tuple[float, torch.Tensor | None]:
+    """The validation score of an ``evaluated`` model on the full graph (its context ``eval_ctx``)
+    and its ``common.val_hits`` there (None for ROC-AUC): what the recipe search compares these
+    strategies' candidates by, since their training validates on the local graphs only, whose
+    figure can rank two candidates the other way round. One all-reduce (control)."""
+    if result.link_embeddings is not None:
+        return link_stats_of(eval_ctx)(result.link_embeddings)["val"].score, None
+    logits = result.outputs["val"][-1]
+    return split_stats(eval_ctx, logits)["val"].score, val_hits(eval_ctx, logits)
 
 
 def train_tma_model(ctx: WorkerContext, sink: ResultSink, load_refresh: Callable[[int], PartData]
