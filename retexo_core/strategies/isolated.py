@@ -258,7 +258,8 @@ def train_grappa(ctx: WorkerContext, load_refresh: Callable[[int], PartData]) ->
         validate(ctx, blocks, 0, epoch, cfg.epochs, lambda: local_forward(blocks, data.x, ctx.graphs["val"]), best)
     best.restore(blocks)
     # no val_hits: two recipe candidates' best epochs may fall in different refresh periods, whose
-    # partitions give a rank other validation nodes, so the search compares their scores instead
+    # partitions give a rank other validation nodes; the search judges both on the full graph
+    # (``full_graph_validation``)
     return EndToEndResult(blocks, {}, best.round, best.accuracy, cfg.epochs, time.monotonic() - started)
 
 
