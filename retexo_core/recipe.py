@@ -23,7 +23,8 @@ default margin 0 takes any higher accuracy, and the earlier candidate wins ties)
 training searches every layer on its own, from the inputs of its single halo exchange, so the search
 costs rounds (gradient sync and validation), never halo traffic; an end-to-end model is searched as
 a whole, each candidate a whole training (or ``--recipe-screen`` epochs of one,
-``TrainConfig.screen_epochs``; the distributed strategies' link task searches ``features`` alone).
+``TrainConfig.screen_epochs``); strategies that validate on their local graphs (TMA, Grappa) are
+judged on the full graph's validation (``stages.train_candidates``).
 ``features`` is only searched on layer 1 with ``--normalize-features auto`` and non-negative
 features; ``norm`` is not searched for the last layer (it has none), ``skip`` not for SAGE (its root
 weight is one) nor on layer 1 of layer-wise link training (a root weight on the raw features doubles

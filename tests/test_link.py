@@ -8,10 +8,7 @@ import pytest
 import scipy.sparse
 
 from conftest import run_cli
-from graphstore.ingest.api import ingest_synthetic
 from graphstore.ingest.link_split import LinkSplitOptions, site_pairs, split_links
-from graphstore.ingest.splits import SplitFractions
-from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.layout import LINK_PAIRS, PART_PAIRS, Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
@@ -23,7 +20,7 @@ from retexo_core.data import load_part
 from retexo_core.link import NEGATIVE_POOL
 from retexo_core.metrics import hits_at_k, mean_reciprocal_rank, roc_auc
 from retexo_core.recipe import search_for
-from training_helpers import F, HIDDEN, K, comm_log, halo_total, small_config, train
+from training_helpers import F, HIDDEN, K, comm_log, halo_total, ingest_sbm, small_config, train
 
 
 def query_rows(store: Store, sql: str) -> list[tuple[object, ...]]:
@@ -38,8 +35,7 @@ def edge_keys(src: np.ndarray, dst: np.ndarray) -> set[tuple[int, int]]:
 def link_graph(tmp_path_factory: pytest.TempPathFactory):
     """A 300-node SBM (dense features), its link split and a random partition into K parts."""
     store = Store.open(tmp_path_factory.mktemp("link-store"))
-    source = ingest_synthetic(store, "sbm", SyntheticOptions(nodes=300, avg_degree=8, classes=3, features=F, seed=2),
-                              SplitFractions(seed=2))
+    source = ingest_sbm(store)
     dataset = split_links(store, source, "sbm_link", LinkSplitOptions(val=0.1, test=0.2, seed=4))
     partition = build_partition(store, dataset, PartitionOptions(method="random", parts=K, seed=0))
     return store, source, dataset, partition

@@ -14,16 +14,13 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env, run_cli
-from graphstore.ingest.api import ingest_synthetic
-from graphstore.ingest.splits import SplitFractions
-from graphstore.ingest.synthetic import SyntheticOptions
 from graphstore.layout import Store
 from graphstore.partition.build import build_partition
 from graphstore.partition.methods import PartitionOptions
 from retexo_core.models import build_blocks
 from retexo_core.strategies.endtoend import varco_ratio
 from retexo_core.strategies.isolated import coverage_weights
-from training_helpers import C, F, HIDDEN, K, comm_log, halo_total, params, ring, run_and_kill_a_worker, small_config, train
+from training_helpers import C, F, HIDDEN, K, comm_log, halo_total, ingest_sbm, params, ring, run_and_kill_a_worker, small_config, train
 
 P = params(build_blocks("gcn", F, HIDDEN, C, 2, 4, 0.0))
 
@@ -141,11 +138,9 @@ def test_grappa_logged_bytes_equal_the_analytic_count(tiny) -> None:
 
 @pytest.fixture(scope="module")
 def sbm(tmp_path_factory: pytest.TempPathFactory):
-    """A 300-node SBM in K random parts: enough validation nodes that the local graphs' validation
-    differs from the full graph's."""
+    """``ingest_sbm`` in K random parts."""
     store = Store.open(tmp_path_factory.mktemp("sbm-store"))
-    dataset = ingest_synthetic(store, "sbm", SyntheticOptions(nodes=300, avg_degree=8, classes=3, features=F, seed=2),
-                               SplitFractions(seed=2))
+    dataset = ingest_sbm(store)
     return store, dataset, build_partition(store, dataset, PartitionOptions(method="random", parts=K, seed=0))
 
 

@@ -41,6 +41,13 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, DatasetR
     return store, dataset, partition
 
 
+def ingest_sbm(store: Store) -> DatasetRef:
+    """A 300-node SBM with dense features (3 classes): enough validation nodes and edges that the
+    local graphs' figures differ from the full graph's."""
+    return ingest_synthetic(store, "sbm", SyntheticOptions(nodes=300, avg_degree=8, classes=3, features=F, seed=2),
+                            SplitFractions(seed=2))
+
+
 def small_config(**overrides: object) -> TrainConfig:
     base = dict(hidden=HIDDEN, rounds=3, epochs=3, lr=0.05, dropout=0.0, timeout_s=60, eval_every=1, recipe="default",
                 joint_rounds=0, joint_fresh=False)
