@@ -103,7 +103,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 # other knobs searched); standard as it was before it searched every knob (the features alone), and
 # centralized at one depth with that search, with every knob screened 50 epochs, and with every knob
 # trained in full (standard's search, measured in one process: docs/accuracy.md, the baselines' recipe);
-# RandomTMA (the suite's random parts) and Grappa with their search and with the features alone
+# RandomTMA (the suite's random parts), Grappa and VARCO with their search and with the features alone
 EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     **{f"{name} --joint-fresh": {**(VARIANTS[name] or {}), "joint_fresh": True} for name in ("retexo", "retexo avg/5 int8")},
     **{f"{name} --joint-rounds 200": {**(VARIANTS[name] or {}), "joint_rounds": 200}
@@ -123,6 +123,8 @@ EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
     "tma --recipe default": {"strategy": "tma", "recipe": "default"},
     "grappa": {"strategy": "grappa"},
     "grappa --recipe default": {"strategy": "grappa", "recipe": "default"},
+    "varco": {"strategy": "varco"},
+    "varco --recipe default": {"strategy": "varco", "recipe": "default"},
 }
 ALL_VARIANTS: dict[str, dict[str, Any] | None] = {**VARIANTS, **EXTRA_VARIANTS}
 # Retexo README (Cora, transductive): (centralized model, Retexo model)

@@ -73,10 +73,11 @@ class TrainConfig(BaseModel):
         "the whole model on both and keep the better).", scope="layer")
     recipe: str = option(
         "auto", "auto: choose the recipe (feature normalisation, skip connection, LayerNorm, weight decay, dropout, "
-        "learning rate) on "
-        "validation, knob by knob: per layer from its one halo exchange for layer-wise training, the whole model "
-        "end to end (task link: the feature normalisation only, except centralized); default: the "
-        "configured values; or a recipe file (a searched run's recipe.json).", scope="layer")
+        "GAT's attention dropout, learning rate) on validation, knob by knob: per layer from its one halo "
+        "exchange for layer-wise training, the whole model end to end, for every strategy and task; default: "
+        "the configured values (the feature normalisation still chosen under normalize_features auto); or a "
+        "recipe file (a searched run's recipe.json).",
+        scope="layer")
     recipe_screen: int | None = option(
         None, "recipe auto: rounds each candidate recipe of a layer-wise search trains before the kept one goes on "
         "to the layer's full rounds (default: 50 for task node; 20 for task link, so that the search's gradient "
