@@ -94,8 +94,9 @@ def test_a_worker_killed_mid_layer_is_restarted_by_torch_elastic_and_resumes_at_
         cora_store: Path, tmp_path: Path) -> None:
     store = fresh_store(cora_store, tmp_path / "store")
     # The fresh pair (on by default on Cora) would add its rounds after layer 2; this test is about
-    # the restart, so it trains the layers alone and stays well inside the timeouts.
-    nodes = start_nodes(preset(tmp_path, "[30, 2000]", ", joint_fresh: false"), store, max_restarts=1)
+    # the restart, so it trains the layers alone and stays well inside the timeouts (layer 2's
+    # recipe screens and 600 rounds: long enough to be killed in a second after layer 1 commits).
+    nodes = start_nodes(preset(tmp_path, "[30, 600]", ", joint_fresh: false"), store, max_restarts=1)
     try:
         deadline = time.monotonic() + 300
         while not list(store.glob("runs/run=*/layer=1/manifest.json")):
