@@ -223,11 +223,12 @@ def test_a_killed_tma_trainer_is_dropped_with_the_flag_and_fails_the_run_without
     store = tmp_path / "store"
     run_cli("ingest", "planetoid", REPO / "data" / "cora", "--name", "cora", store=store).check_returncode()
     # --recipe default: the search would train each of its candidates for the 1500 epochs (10,500 in
-    # all), which took this test past its 300 s on a loaded CI machine; the search is tested on its own
+    # all), which took this test past 300 s on a loaded CI machine; the search is tested on its own.
+    # Even so it took 151 s in all here under the whole suite's load, hence the 600 s bound after the kill.
     cmd = [sys.executable, "-m", "cli", "train", "cora", "--strategy", "tma", "--parts", "3", "--epochs", "1500",
            "--agg-every-steps", "5", "--hidden", "16", "--timeout", "60", "--recipe", "default", "--store", str(store)]
     cmd += ["--tolerate-failures"] if tolerate else []
-    code, _, err, _ = run_and_kill_a_worker(cmd, cli_env(), store, workers=3, victim=1)
+    code, _, err, _ = run_and_kill_a_worker(cmd, cli_env(), store, workers=3, victim=1, timeout_s=600)
     if not tolerate:
         assert code == 2 and "worker rank 1 was killed by signal 9" in " ".join(err.split())
         return
